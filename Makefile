@@ -1,0 +1,48 @@
+# xtoken_dp: every target sets up what it needs from nothing.
+#   make test   the whole suite (notebooks, pytest files), after checking notebooks and library are in sync
+#   make demo   the main job
+#   make bench  every benchmark of xtoken_dp.bench
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.xtoken_dp-setup
+TEST_TIMEOUT ?= 3000
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export XTOKEN_DP_CACHE ?= $(CURDIR)/.cache/xtoken_dp
+export MPLBACKEND := Agg
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test sync-check readme demo bench clean-venv
+
+# torch first (a CPU wheel on this machine's disk): a plain `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+# Fails when the exported library, the cleaned notebooks or README.md differ from what is on disk.
+sync-check: $(STAMP)
+	$(PY) tools/check_sync.py
+
+readme: $(STAMP)
+	$(PY) tools/make_readme.py
+
+test: $(STAMP) sync-check
+	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(PY) -m xtoken_dp.cli demo
+
+bench: $(STAMP)
+	$(PY) -m xtoken_dp.bench all
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,41 @@
+"""Test-suite set-up shared by the notebook runner and the pytest files.
+
+* No hub, ever: `HF_HUB_OFFLINE=1` and the hub download functions are patched to raise, so a loader that tried the
+  network would fail loudly instead of silently fetching.
+* Tokenizer and projection caches live under the project's `.cache/` unless `XTOKEN_DP_CACHE` says otherwise.
+"""
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("XTOKEN_DP_CACHE", str(ROOT / ".cache" / "xtoken_dp"))
+
+import pytest
+
+
+def _refuse_hub(*args, **kwargs):
+    raise RuntimeError("xtoken_dp tests never download from a model hub")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_hub_downloads():
+    "Patch the hub's download entry points so that any attempt fails the test that made it."
+    patched = []
+    try:
+        import huggingface_hub
+        for name in ("hf_hub_download", "snapshot_download"):
+            if hasattr(huggingface_hub, name):
+                patched.append((huggingface_hub, name, getattr(huggingface_hub, name)))
+                setattr(huggingface_hub, name, _refuse_hub)
+        import huggingface_hub.file_download as fd
+        if hasattr(fd, "hf_hub_download"):
+            patched.append((fd, "hf_hub_download", fd.hf_hub_download))
+            fd.hf_hub_download = _refuse_hub
+    except ImportError:
+        pass
+    yield
+    for mod, name, orig in patched: setattr(mod, name, orig)

@@ -1,0 +1,58 @@
+"""Write README.md from nbs/index.ipynb without Quarto.
+
+Cells flagged `#| hide` are left out, directive lines are dropped from the rest, and outputs are kept as text
+(markdown and plain text; images are left to the docs site). Run with `--check` to fail instead of writing when
+README.md is out of date.
+"""
+import re, sys
+from pathlib import Path
+
+import nbformat
+from nbconvert import MarkdownExporter
+
+ROOT = Path(__file__).resolve().parent.parent
+_directive = re.compile(r"^\s*#\s*\|\s*(\S+)")
+
+
+def _directives(src):
+    return {m.group(1) for line in src.splitlines() if (m := _directive.match(line))}
+
+
+def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
+    "The README markdown rendered from the landing notebook."
+    nb = nbformat.read(nb_path, as_version=4)
+    cells = []
+    for cell in nb.cells:
+        flags = _directives(cell.source)
+        if "hide" in flags or "exporti" in flags: continue
+        if cell.cell_type == "code":
+            cell.source = "\n".join(l for l in cell.source.splitlines() if not _directive.match(l)).strip("\n")
+            keep = []
+            for out in cell.get("outputs", []):
+                if out.get("output_type") in ("display_data", "execute_result"):
+                    data = {k: v for k, v in out["data"].items() if k in ("text/markdown", "text/plain")}
+                    if "text/markdown" in data: data.pop("text/plain", None)
+                    if not data: continue
+                    out["data"] = data
+                keep.append(out)
+            cell.outputs = keep
+        cell.metadata = {}
+        cells.append(cell)
+    nb.cells = cells
+    body, _ = MarkdownExporter().from_notebook_node(nb)
+    body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
+    return "<!-- Generated from nbs/index.ipynb by tools/make_readme.py: edit the notebook, not this file. -->\n\n" + body
+
+
+def main(argv):
+    text, dest = readme_text(), ROOT / "README.md"
+    if "--check" in argv:
+        if not dest.exists() or dest.read_text() != text:
+            print("README.md is out of date with nbs/index.ipynb: run `make readme`.", file=sys.stderr)
+            return 1
+        return 0
+    if not dest.exists() or dest.read_text() != text: dest.write_text(text)
+    return 0
+
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1:]))
