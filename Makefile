@@ -16,7 +16,7 @@ export XTOKEN_DP_CACHE ?= $(CURDIR)/.cache/xtoken_dp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test sync-check readme demo bench clean-venv
+.PHONY: setup test sync-check readme demo bench docs browser clean-venv
 
 # torch first (a CPU wheel on this machine's disk): a plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -35,11 +35,26 @@ sync-check: $(STAMP)
 readme: $(STAMP)
 	$(PY) tools/make_readme.py
 
-test: $(STAMP) sync-check
+# Debian's Chromium for the docs site's browser check; installed when we may (root + apt), else that test says why
+# it skipped.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the docs browser check"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+	      || echo "WARNING: could not install chromium; the docs browser check will be skipped"; \
+	  else echo "NOTE: chromium is absent and cannot be installed here (needs root and apt-get); the docs browser check will be skipped"; fi; \
+	fi
+
+test: $(STAMP) sync-check browser
 	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
 
 demo: $(STAMP)
 	$(PY) -m xtoken_dp.cli demo
+
+docs: $(STAMP)
+	$(PY) tools/build_docs.py --out _docs
 
 bench: $(STAMP)
 	$(PY) -m xtoken_dp.bench all
