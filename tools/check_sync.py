@@ -12,7 +12,7 @@ BIN = Path(sys.executable).parent
 
 
 def snapshot():
-    files = [*ROOT.glob("nbs/**/*.ipynb"), *ROOT.glob("xtoken_dp/**/*.py"), ROOT / "README.md"]
+    files = [*ROOT.glob("nbs/**/*.ipynb"), *ROOT.glob("xtoken_dp/**/*.py"), ROOT / "README.md", ROOT / "nbs" / "llms.txt"]
     return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in files if p.is_file() and ".ipynb_checkpoints" not in p.parts}
 
