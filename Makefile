@@ -51,7 +51,7 @@ test: $(STAMP) sync-check browser
 	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
 
 demo: $(STAMP)
-	$(PY) -m xtoken_dp.cli demo
+	$(PY) -m xtoken_dp.codec --out demo_out
 
 docs: $(STAMP)
 	$(PY) tools/build_docs.py --out _docs
