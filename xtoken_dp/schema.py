@@ -386,7 +386,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     "`t` (contiguous) reinterpreted bitwise as integers: same size for 1-D, the widest int dividing each row's bytes."
     if t.dim() == 1: return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
-    rows = t.reshape(t.shape[0], -1)
+    rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))  # an explicit width: `-1` is ambiguous with 0 rows
     nbytes = rows.shape[1] * t.element_size()
     size = next((z for z in (8, 4, 2, 1) if nbytes % z == 0 and z >= t.element_size()), None)
     return rows.view(_INT_OF_SIZE[size]) if nbytes and size else rows
