@@ -137,16 +137,20 @@ class PaddedProto:
         return out
 
     def dumps(self) -> bytes:
-        "verl's pickling: consolidate() + torch.save into a BytesIO, object columns pickled alongside."
+        "verl's pickling: consolidate() + torch.save into a BytesIO; object columns and meta pickled alongside."
         buffer = io.BytesIO()
-        torch.save({"batch": self.batch.consolidate(), "non_tensor_batch": self.non_tensor_batch,
-                    "meta_info": self.meta_info}, buffer)
-        return buffer.getvalue()
+        torch.save(self.batch.consolidate(), buffer)
+        objects = pickle.dumps((self.non_tensor_batch, self.meta_info), protocol=pickle.HIGHEST_PROTOCOL)
+        return len(objects).to_bytes(8, "little") + objects + buffer.getvalue()
 
     @staticmethod
     def loads(data: bytes) -> PaddedProto:
-        state = torch.load(io.BytesIO(data), weights_only=False)
-        return PaddedProto(state["batch"], state["non_tensor_batch"], state["meta_info"])
+        # the tensors load with weights_only=True (a consolidated TensorDict needs no other global); the object
+        # columns come from their own pickle, as in verl's numpy mode
+        n = int.from_bytes(data[:8], "little")
+        non_tensor_batch, meta_info = pickle.loads(data[8:8 + n])
+        batch = torch.load(io.BytesIO(data[8 + n:]), weights_only=True)
+        return PaddedProto(batch, non_tensor_batch, meta_info)
 
 
 def memcpy(tensors) -> list:
