@@ -256,6 +256,19 @@ def make_jagged(values: torch.Tensor, # `[T, *trailing]` values buffer
     return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(min_seqlen),
                                                   max_seqlen=int(max_seqlen))
 
+# %% ../nbs/00_schema.ipynb #7a93eaa7
+def _consume_fx_tracing_notice() -> None:
+    "Let torch's once-per-process `is_fx_tracing` notice fire now, silently (the library never traces)."
+    import logging
+    try: from torch.fx._symbolic_trace import is_fx_tracing_warning
+    except ImportError: return  # a torch without the notice
+    log = logging.getLogger("torch.fx._symbolic_trace")
+    was_disabled, log.disabled = log.disabled, True
+    try: is_fx_tracing_warning()
+    finally: log.disabled = was_disabled
+
+_consume_fx_tracing_notice()
+
 # %% ../nbs/00_schema.ipynb #e68dadf0
 def segment_positions(starts: torch.Tensor, # int64 `(N,)`: where row r begins in the target layout
                       offsets: torch.Tensor, # int64 `[N+1]` offsets of the source jagged layout
