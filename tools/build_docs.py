@@ -179,22 +179,32 @@ def render_site(proc, out, cfg):
         # the notebook's own `# Title` duplicates the page title
         body = re.sub(r"<h1[^>]*>.*?</h1>", "", body, count=1, flags=re.S)
         write(name, title, description, body)
-    write("api.html", "API reference", "Every exported name, by module.", api_reference(doc_url))
+    write("api.html", "API reference", "Every exported name, by module.", api_reference(doc_url, out))
     return [p[0] for p in pages] + ["api.html"]
 
 
-def api_reference(doc_url):
-    "An index of every public exported symbol, linking to its documentation."
+def _landing(url, out, anchors):
+    "`url` if its page has the anchor; else the anchor of its class (a method without its own entry), else the page."
+    page, _, frag = url.partition("#")
+    if not frag or not (out / page).is_file(): return url
+    if page not in anchors: anchors[page] = set(re.findall(r'id="([^"]+)"', (out / page).read_text(encoding="utf-8")))
+    while frag and frag not in anchors[page]: frag = frag.rpartition(".")[0]
+    return f"{page}#{frag}" if frag else page
+
+
+def api_reference(doc_url, out):
+    "An index of every public exported symbol, linking to its documentation in the pages already written to `out`."
     from xtoken_dp._modidx import d
-    parts = []
+    parts, anchors = [], {}
     for mod, syms in sorted(d["syms"].items()):
         rows = []
         for sym, (url, _src) in sorted(syms.items()):
             short = sym[len(mod) + 1:]
             if any(p.startswith("_") for p in short.split(".")): continue
+            url = _landing(_local_links(url, doc_url), out, anchors)
             rows.append(f'<li><a href="{html.escape(url)}"><code>{html.escape(short)}</code></a></li>')
         if rows: parts.append(f'<h2 id="{mod}">{mod}</h2><ul>{"".join(rows)}</ul>')
-    return _local_links("\n".join(parts), doc_url)
+    return "\n".join(parts)
 
 
 def main(argv=None):
