@@ -1,7 +1,8 @@
 """Write README.md from nbs/index.ipynb without Quarto.
 
 Cells flagged `#| hide` are left out, directive lines are dropped from the rest, and outputs are kept as text
-(markdown and plain text; images are left to the docs site). Run with `--check` to fail instead of writing when
+(markdown and plain text; images and HTML views are left to the docs site). A cell flagged `#| echo: false` contributes
+its outputs only. Run with `--check` to fail instead of writing when
 README.md is out of date.
 """
 import re, sys
@@ -26,12 +27,16 @@ def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
         flags = _directives(cell.source)
         if "hide" in flags or "exporti" in flags: continue
         if cell.cell_type == "code":
-            cell.source = "\n".join(l for l in cell.source.splitlines() if not _directive.match(l)).strip("\n")
+            hidden_source = re.search(r"^\s*#\s*\|\s*echo:\s*false\s*$", cell.source, re.M) is not None
+            cell.source = "" if hidden_source else "\n".join(l for l in cell.source.splitlines()
+                                                            if not _directive.match(l)).strip("\n")
             keep = []
             for out in cell.get("outputs", []):
                 if out.get("output_type") in ("display_data", "execute_result"):
+                    rich = out["data"].keys() & {"text/markdown", "text/html", "image/png", "image/svg+xml"}
                     data = {k: v for k, v in out["data"].items() if k in ("text/markdown", "text/plain")}
-                    if "text/markdown" in data: data.pop("text/plain", None)
+                    # a rich output's plain-text fallback is a repr (an HTML string, "<Figure ...>"): the docs show it
+                    if rich: data.pop("text/plain", None)
                     if not data: continue
                     out["data"] = data
                 keep.append(out)
