@@ -17,7 +17,7 @@ import torch
 from fastcore.basics import patch
 
 from .schema import AlignmentBatch, compact_jagged, is_jagged, make_jagged
-from .tokenizers import (ROLES, TokenSpans, batch_token_byte_spans, describe_tokenizer, piece_bytes_table,
+from .tokenizers import (ROLES, TokenSpans, _new_spans, batch_token_byte_spans, describe_tokenizer, piece_bytes_table,
                                   special_token_roles, token_byte_spans, tokenizer_fingerprint)
 
 # %% auto #0
@@ -138,10 +138,16 @@ def _concat(arrays, dtype):
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
+def _offsets_of(lengths: np.ndarray) -> np.ndarray:
+    "Row offsets `[0, l0, l0+l1, …]` of rows with the given lengths."
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
 def _side(spans: Sequence[TokenSpans], base: np.ndarray) -> _Side:
     counts = np.fromiter((len(s.ids) for s in spans), np.int64, len(spans))
-    offsets = np.zeros(len(spans) + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    offsets = _offsets_of(counts)
     shift = np.repeat(base[:-1], counts)
     start = _concat([s.start for s in spans], np.int64)
     start += shift
@@ -329,9 +335,14 @@ class _Flat:
     c_n_t: np.ndarray          # int64 [C] teacher tokens per chunk
 
 # %% ../nbs/04_aligner.ipynb #83713974
-def _align_flat(students: Sequence[TokenSpans], teachers: Sequence[TokenSpans], classes: np.ndarray,
-                text_of: Callable[[int], bytes] | None) -> _Flat:
+def _align_flat(students: Sequence[TokenSpans], # kept student spans per sample
+                teachers: Sequence[TokenSpans], # kept teacher spans, the same texts
+                classes: np.ndarray, # role code -> pairing class (`role_classes`)
+                text_of: Callable[[int], bytes] | None, # sample -> its kept bytes (whitespace test of gaps)
+                route: str = "auto", # "auto": the tiled route when the batch allows it; "general": never
+               ) -> _Flat:
     "The §2 chunk algorithm for a whole batch at once: samples laid end to end on one byte axis."
+    if route not in ("auto", "general"): raise ValueError(f"route: expected 'auto' or 'general', got {route!r}")
     B = len(students)
     L = np.fromiter((s.nbytes for s in students), np.int64, B)
     Lt = np.fromiter((t.nbytes for t in teachers), np.int64, B)
@@ -339,6 +350,9 @@ def _align_flat(students: Sequence[TokenSpans], teachers: Sequence[TokenSpans], 
         b = int(np.flatnonzero(L != Lt)[0])
         raise ValueError(f"student and teacher spans must cover the same text: sample {b} has nbytes {L[b]} (student) "
                          f"and {Lt[b]} (teacher)")
+    if route == "auto":
+        flat = _align_tiled(students, teachers, classes, L)
+        if flat is not None: return flat
     if B == 0:
         z, o = np.zeros(0, np.int64), np.zeros(1, np.int64)
         return _Flat(o, o, o, z, z, z.astype(bool), z.astype(bool), z, z, z.astype(np.int8), z.astype(bool), z, z)
@@ -534,6 +548,152 @@ def _gaps_text_ok(g0, g1, base, text_of):
         ok[sel] = _gaps_are_space(buf, g0[sel] - base[b], g1[sel] - base[b])
     return ok
 
+# %% ../nbs/04_aligner.ipynb #5edc1bf0
+@dataclass
+class _TiledSide:
+    "One side of a batch whose content spans tile every sample: concatenated arrays and where its zero-length tokens sit."
+    offsets: np.ndarray   # int64 [B+1] token offsets per sample
+    counts: np.ndarray    # int64 [B] tokens per sample
+    start: np.ndarray     # int64 [n] sample-local start
+    exact: np.ndarray     # bool [n]
+    role: np.ndarray      # int8 [n]
+    special: np.ndarray   # int64: token indices of the specials (each leads or trails its sample)
+    empty: np.ndarray     # int64: token indices of empty content tokens (each right before a content token at its byte)
+    nonempty: np.ndarray | None  # bool [n]: non-empty content token (None: every token is one)
+
+
+def _tiled_side(spans: Sequence[TokenSpans], # one side's kept spans per sample
+                L: np.ndarray, # int64 [B] kept bytes per sample (all > 0)
+                L_total: int, # L.sum()
+               ) -> _TiledSide | None:
+    "The side's arrays when its non-empty content spans tile `[0, L)` of every sample and specials only lead or trail; else None."
+    counts = np.fromiter((len(s.ids) for s in spans), np.int64, len(spans))
+    offsets = _offsets_of(counts)
+    start = _concat([s.start for s in spans], np.int64)
+    length = _concat([s.end for s in spans], np.int64)
+    length -= start
+    if int(length.sum()) != L_total: return None
+    run = _concat([s.run for s in spans], np.int32)
+    if len(run) and run.max() >= 0: return None        # a fused run repeats one span: its lengths count twice
+    role = _concat([s.role for s in spans], np.int8)
+    is_zero = length == 0
+    zero = np.flatnonzero(is_zero)                      # specials (always empty) and empty content tokens
+    is_special = role.take(zero) != 0
+    special, empty = zero.compress(is_special), zero.compress(~is_special)
+    if len(special):
+        samp = np.searchsorted(offsets, special, "right") - 1
+        first = np.searchsorted(special, offsets)       # per sample: index of its first special (and one past the last)
+        rank = np.arange(len(special)) - first[samp]    # the special's rank among its sample's specials
+        local = special - offsets[samp]
+        lead = local == rank                            # only specials before it
+        trail = counts[samp] - 1 - local == (first[samp + 1] - first[samp]) - 1 - rank   # only specials after it
+        anchor = start.take(special)
+        if not np.where(lead, anchor == 0, trail & (anchor == L[samp])).all(): return None
+    if len(empty):
+        n = len(start)
+        samp = np.searchsorted(offsets, empty, "right") - 1
+        nxt = np.minimum(empty + 1, n - 1)
+        if not ((empty + 1 < offsets[samp + 1]) & (role[nxt] == 0) & (length[nxt] > 0) & (start[nxt] == start[empty])).all():
+            return None
+    exact = _concat([s.exact for s in spans], np.bool_)
+    return _TiledSide(offsets, counts, start, exact, role, special, empty, None if len(zero) == 0 else ~is_zero)
+
+
+def _global_starts(side: _TiledSide, base: np.ndarray) -> np.ndarray:
+    "Start of every non-empty content token of a tiled side on the batch's byte axis (sample b shifted by `base[b]`)."
+    pos = side.start + np.repeat(base[:-1], side.counts)
+    return pos if side.nonempty is None else pos.compress(side.nonempty)
+
+# %% ../nbs/04_aligner.ipynb #c02bdf4a
+def _tiled_content_chunks(s_pos: np.ndarray, # sorted global starts of the student's non-empty content tokens
+                          t_pos: np.ndarray, # the same for the teacher
+                          base: np.ndarray, # int64 [B+1] where each sample starts on the byte axis
+                          last: np.ndarray, # int64 [B] where each sample's kept bytes end
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    "Content chunks of two tiled sides: (chunk starts, chunk ends, student token -> chunk, teacher token -> chunk)."
+    key = np.concatenate([s_pos << 1, (t_pos << 1) | 1])
+    key.sort(kind="stable")                            # a merge of two sorted runs
+    of_teacher = (key & 1).astype(bool)
+    pos = key >> 1
+    opens = np.zeros(len(key), bool)                   # a student entry whose teacher twin follows it
+    np.equal(pos[1:], pos[:-1], out=opens[:-1])
+    content_byte = pos.compress(opens)
+    s_chunk = np.cumsum(opens.compress(~of_teacher)) - 1
+    t_opens = np.zeros(len(key), bool)
+    t_opens[1:] = opens[:-1]                           # the twin opens the same chunk on the teacher side
+    t_chunk = np.cumsum(t_opens.compress(of_teacher)) - 1
+    content_end = np.empty(len(content_byte), np.int64)
+    content_end[:-1] = content_byte[1:]
+    content_end[np.searchsorted(content_byte, base[1:]) - 1] = last   # a sample's last chunk ends at its L
+    return content_byte, content_end, s_chunk, t_chunk
+
+# %% ../nbs/04_aligner.ipynb #37d060cb
+def _align_tiled(students: Sequence[TokenSpans], # kept student spans per sample
+                 teachers: Sequence[TokenSpans], # kept teacher spans, the same texts
+                 classes: np.ndarray, # role code -> pairing class
+                 L: np.ndarray, # int64 [B] kept bytes per sample
+                ) -> _Flat | None:
+    "The §2 chunk algorithm when both sides tile every sample (the common case); None when they do not."
+    B = len(students)
+    if B == 0 or not (L > 0).all(): return None
+    L_total = int(L.sum())
+    S = _tiled_side(students, L, L_total)
+    if S is None: return None
+    T = _tiled_side(teachers, L, L_total)
+    if T is None: return None
+    base = _offsets_of(L + 1)  # as in the general route: one separator byte between samples
+    last = base[:-1] + L
+    content_byte, content_end, s_ord, t_ord = _tiled_content_chunks(_global_starts(S, base), _global_starts(T, base),
+                                                                    base, last)
+    n_content = len(content_byte)
+
+    def specials(side):
+        anchor = base[np.searchsorted(side.offsets, side.special, "right") - 1] + side.start.take(side.special)
+        return side.special, anchor, classes[side.role.take(side.special)]
+    kind_key_of = lambda byte: np.where(byte == last[np.searchsorted(base, byte, "right") - 1], 2, 0).astype(np.int64)
+    sp = _pair_specials(*specials(S), *specials(T), kind_key_of)
+
+    # ids: the specials' keys merged into the sorted content keys (as in the general route)
+    x_sorted = np.lexsort((sp.order, sp.kind_key, sp.byte))
+    x_rank = np.empty(len(x_sorted), np.int64)
+    x_rank[x_sorted] = np.arange(len(x_sorted))
+    ins = np.where(sp.kind_key >= 2, np.searchsorted(content_byte, sp.byte, "right"),
+                   np.searchsorted(content_byte, sp.byte, "left"))
+    x_gid = ins + x_rank
+    c_gid = np.arange(n_content) + np.repeat(np.arange(len(x_sorted) + 1), np.diff(np.r_[0, ins[x_sorted], n_content]))
+    C = n_content + len(x_gid)
+
+    def token_gids(side, ordinal, special_col):
+        content_gid = c_gid.take(ordinal)
+        if side.nonempty is None: gid = content_gid
+        else:
+            gid = np.empty(len(side.start), np.int64)
+            gid[side.nonempty] = content_gid
+        if len(side.empty): gid[side.empty] = gid[side.empty + 1]
+        has = special_col >= 0
+        gid[special_col[has]] = x_gid[has]
+        return gid
+    s_gid, t_gid = token_gids(S, s_ord, sp.s_tok), token_gids(T, t_ord, sp.t_tok)
+
+    c_start = np.empty(C, np.int64); c_end = np.empty(C, np.int64); c_kind = np.empty(C, np.int8)
+    c_start[c_gid], c_end[c_gid], c_kind[c_gid] = content_byte, content_end, ChunkKind.CONTENT
+    c_start[x_gid] = c_end[x_gid] = sp.byte
+    c_kind[x_gid] = sp.kind
+    c_n_s = np.bincount(s_gid, minlength=C)
+    c_n_t = np.bincount(t_gid, minlength=C)
+    c_offsets = np.searchsorted(c_start, base, "left")
+    c_correct = c_kind == ChunkKind.CONTENT
+    for side, gid in ((S, s_gid), (T, t_gid)):
+        loose = (side.role == 0) & ~side.exact
+        if loose.any(): c_correct[gid.compress(loose)] = False
+    c_correct |= c_kind == ChunkKind.SPECIAL_PAIR
+    one_one = c_correct & (c_n_s == 1) & (c_n_t == 1)
+    c_base = np.repeat(base[:-1], np.diff(c_offsets))
+    s_local = s_gid - np.repeat(c_offsets[:-1], S.counts)
+    t_local = t_gid - np.repeat(c_offsets[:-1], T.counts)
+    return _Flat(S.offsets, T.offsets, c_offsets, s_local, t_local, one_one.take(s_gid), one_one.take(t_gid),
+                 c_start - c_base, c_end - c_base, c_kind, c_correct, c_n_s, c_n_t)
+
 # %% ../nbs/04_aligner.ipynb #564bcac7
 @dataclass(frozen=True, eq=False)
 class SampleAlignment:
@@ -676,13 +836,7 @@ def _stats_of_flat(flat: _Flat, nbytes: np.ndarray, kept: np.ndarray, truncated:
         loss_valid_chunks=int(valid.sum()), max_chunk_tokens_student=int(n_s.max(initial=0)),
         max_chunk_tokens_teacher=int(n_t.max(initial=0)), size_hist=hist.reshape(_HIST, _HIST).astype(np.int64))
 
-# %% ../nbs/04_aligner.ipynb #b534a7a2
-def _offsets_of(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
+# %% ../nbs/04_aligner.ipynb #e8b67628
 def _flat_of_samples(samples: Sequence[SampleAlignment]) -> _Flat:
     "Concatenate per-sample alignments into the flat form (the inverse of `AlignmentResult.samples`)."
     cat = lambda name, dt: _concat([getattr(s, name) for s in samples], dt)
@@ -695,19 +849,22 @@ def _flat_of_samples(samples: Sequence[SampleAlignment]) -> _Flat:
                  cat("pair_is_correct", np.bool_), cat("student_chunk_size", np.int64), cat("teacher_chunk_size", np.int64))
 
 
-def _padded_positions(offsets: np.ndarray, width: int) -> np.ndarray:
-    "Flat index `row * width + column` of every element of the rows given by `offsets`."
-    lengths = np.diff(offsets)
-    pos = np.repeat(np.arange(len(lengths), dtype=np.int64) * width - offsets[:-1], lengths)
-    pos += np.arange(len(pos))
-    return pos
-
-
-def _scatter_padded(values: np.ndarray, pos: np.ndarray, B: int, width: int, fill) -> np.ndarray:
-    "Rows of `values` at flat positions `pos`, `fill` elsewhere, as `[B, width]`."
-    out = np.full(B * width, fill, values.dtype)
-    out[pos] = values
-    return out.reshape(B, width)
+def _pad_rows(offsets: np.ndarray, # int64 [B+1] row offsets into every column
+              width: int, # padded row width (>= the longest row)
+              *columns: tuple[np.ndarray, object], # `(values, fill)` per column, rows concatenated
+             ) -> list[np.ndarray]:
+    "Each column's rows left-aligned in a `[B, width]` array, `fill` elsewhere."
+    B = len(offsets) - 1
+    outs = [np.full((B, width), fill, values.dtype) for values, fill in columns]
+    if B and offsets[-1] >= 256 * B:   # long rows: one slice copy per row beats any index arithmetic
+        bounds = offsets.tolist()
+        for b in range(B):
+            a, e = bounds[b], bounds[b + 1]
+            for out, (values, _) in zip(outs, columns): out[b, :e - a] = values[a:e]
+    elif B:                            # short rows: one boolean-mask assignment for the whole batch
+        inside = np.arange(width) < np.diff(offsets)[:, None]
+        for out, (values, _) in zip(outs, columns): out[inside] = values
+    return outs
 
 
 def _check_width(name, width, longest):
@@ -791,15 +948,14 @@ class AlignmentResult:
         T_s = _check_width("T_s", T_s, int(s_len.max(initial=0)))
         T_t = _check_width("T_t", T_t, int(t_len.max(initial=0)))
         P = max(1, int(nc.max(initial=0)))
-        sp, tp, cp = _padded_positions(f.s_offsets, T_s), _padded_positions(f.t_offsets, T_t), _padded_positions(f.c_offsets, P)
+        s_exact, s_chunk = _pad_rows(f.s_offsets, T_s, (f.s_exact, False), (f.s_chunk, -1))
+        t_exact, t_chunk = _pad_rows(f.t_offsets, T_t, (f.t_exact, False), (f.t_chunk, -1))
+        (correct,) = _pad_rows(f.c_offsets, P, (f.c_correct, False))
         t = torch.from_numpy
         return AlignmentBatch(
-            pair_valid=t(np.arange(P) < nc[:, None]), pair_is_correct=t(_scatter_padded(f.c_correct, cp, B, P, False)),
-            student_exact_partition_mask=t(_scatter_padded(f.s_exact, sp, B, T_s, False)),
-            teacher_exact_partition_mask=t(_scatter_padded(f.t_exact, tp, B, T_t, False)),
-            student_chunk_id=t(_scatter_padded(f.s_chunk, sp, B, T_s, -1)),
-            teacher_chunk_id=t(_scatter_padded(f.t_chunk, tp, B, T_t, -1)),
-            num_chunks=t(nc), batch_size=[B])
+            pair_valid=t(np.arange(P) < nc[:, None]), pair_is_correct=t(correct),
+            student_exact_partition_mask=t(s_exact), teacher_exact_partition_mask=t(t_exact),
+            student_chunk_id=t(s_chunk), teacher_chunk_id=t(t_chunk), num_chunks=t(nc), batch_size=[B])
 
     def to_jagged(self, student_offsets: torch.Tensor | None = None, # offsets object of the student group (e.g. of `input_ids`)
                   teacher_offsets: torch.Tensor | None = None, # offsets object of the teacher group
@@ -994,7 +1150,7 @@ def align_spans(self: TokenAligner, student: TokenSpans, # the student's spans o
     "Align one sample: the per-sample core (§2 steps 1–7)."
     return self.align_spans_batch([student], [teacher], texts=None if text is None else [text]).samples[0]
 
-# %% ../nbs/04_aligner.ipynb #7337afde
+# %% ../nbs/04_aligner.ipynb #deebe2ae
 @dataclass(frozen=True)
 class SpanTruncation:
     "The common cut of one sample across its sides: the kept spans of each side and the kept byte count L."
@@ -1024,23 +1180,23 @@ def _largest_common_cut(p: int, sides_content) -> int:
 
 def _layout(sp: TokenSpans, template_lead: int | None):
     "(leading specials, trailing specials, content index array or None when content is the slice between them)."
-    n = len(sp.ids)
-    sidx = np.flatnonzero(sp.role)
+    role = sp.role
+    n, specials = len(role), int(np.count_nonzero(role))
     lead = 0
-    while lead < len(sidx) and sidx[lead] == lead: lead += 1
-    trail = 0
-    while trail < len(sidx) - lead and sidx[len(sidx) - 1 - trail] == n - 1 - trail: trail += 1
+    while lead < specials and role[lead]: lead += 1
     if lead == n:  # no content at all: the template says which specials lead
         lead = n if template_lead is None else min(template_lead, n)
         return lead, n - lead, None
-    if lead + trail == len(sidx): return lead, trail, None
-    return lead, trail, np.flatnonzero(sp.role == 0)
+    trail = 0
+    while trail < specials - lead and role[n - 1 - trail]: trail += 1
+    if lead + trail == specials: return lead, trail, None
+    return lead, trail, np.flatnonzero(role == 0)
 
 
 def _slice_spans(sp: TokenSpans, stop: int, L: int, trailing: np.ndarray | None = None) -> TokenSpans:
     "The prefix `[:stop]` of `sp` (plus the `trailing` token indices re-anchored at L), with nbytes = L."
     if trailing is None or len(trailing) == 0:
-        return TokenSpans(sp.ids[:stop], sp.start[:stop], sp.end[:stop], sp.exact[:stop], sp.role[:stop], sp.run[:stop], L)
+        return _new_spans(sp.ids[:stop], sp.start[:stop], sp.end[:stop], sp.exact[:stop], sp.role[:stop], sp.run[:stop], L)
     take = np.r_[np.arange(stop), trailing]
     anchor = np.r_[sp.start[:stop], np.full(len(trailing), L, np.int64)]
     return TokenSpans(sp.ids[take], anchor, np.r_[sp.end[:stop], np.full(len(trailing), L, np.int64)],
