@@ -1,6 +1,6 @@
 # xtoken_dp: every target sets up what it needs from nothing.
 #   make test   the whole suite (notebooks, pytest files), after checking notebooks and library are in sync
-#   make demo   the main job
+#   make demo   the main job: distill a tiny teacher into a student with a different tokenizer (DEMO_ARGS to vary it)
 #   make bench  every benchmark of xtoken_dp.bench
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -56,8 +56,11 @@ bert-assets: $(STAMP)
 test: $(STAMP) sync-check browser bert-assets
 	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
 
+# The default preset, cached tokenizers/teacher/projection reused from demo_out/cache; the padding-tax report of the
+# codec is `$(PY) -m xtoken_dp.cli padding-tax`.
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(PY) -m xtoken_dp.codec --out demo_out
+	$(PY) -m xtoken_dp.cli demo --out demo_out $(DEMO_ARGS)
 
 docs: $(STAMP)
 	$(PY) tools/build_docs.py --out _docs
