@@ -19,6 +19,14 @@ def _directives(src):
     return {m.group(1) for line in src.splitlines() if (m := _directive.match(line))}
 
 
+def _as_markdown(out):
+    "An output as markdown: its markdown, or its text in a fenced block."
+    data = out.get("data", {})
+    if "text/markdown" in data: return data["text/markdown"].strip("\n")
+    text = data.get("text/plain") or out.get("text", "")
+    return "```\n" + text.strip("\n") + "\n```" if text.strip() else ""
+
+
 def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
     "The README markdown rendered from the landing notebook."
     nb = nbformat.read(nb_path, as_version=4)
@@ -42,6 +50,8 @@ def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
                 keep.append(out)
             cell.outputs = keep
         cell.metadata = {}
+        if cell.cell_type == "code" and not cell.source:  # `echo: false`: its outputs stand alone as markdown
+            cell = nbformat.v4.new_markdown_cell("\n\n".join(_as_markdown(out) for out in cell.outputs))
         cells.append(cell)
     nb.cells = cells
     body, _ = MarkdownExporter().from_notebook_node(nb)
