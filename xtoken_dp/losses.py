@@ -163,6 +163,16 @@ def _check_sparse_mm(sparse_M, dense):
                          f"got {list(dense.shape)}")
 
 
+def _sparse_mm(A, D):
+    "`A·D` for a sparse COO `A` and a dense `D`; a transposed row-major `D` goes through a CSR kernel, read in place."
+    if D.shape[1] > 1 and not D.is_contiguous() and D.t().is_contiguous():
+        with warnings.catch_warnings():  # torch flags its CSR layout as beta on first use; the product is checked below
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+            A_csr = A.t().to_sparse_csr()
+        return (D.t() @ A_csr).t()
+    return torch.sparse.mm(A, D.contiguous())
+
+
 class Fp32SparseMM(torch.autograd.Function):
     "`Mᵀ·D` for a sparse COO `M [V_s, V_t]` and a dense `D [V_s, n]`, forward and backward in fp32 under any autocast."
     @staticmethod
@@ -171,7 +181,7 @@ class Fp32SparseMM(torch.autograd.Function):
         dtype = torch.float64 if dense.dtype == torch.float64 else torch.float32
         with torch.autocast(device_type=dense.device.type, enabled=False):
             matrix = sparse_M.to(dtype)
-            out = torch.sparse.mm(matrix.t(), dense.to(dtype))
+            out = _sparse_mm(matrix.t(), dense.to(dtype))
         ctx.save_for_backward(matrix)
         ctx.dense_dtype = dense.dtype
         return out
@@ -181,7 +191,7 @@ class Fp32SparseMM(torch.autograd.Function):
     def backward(ctx, grad_out):
         (matrix,) = ctx.saved_tensors
         with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            grad_dense = torch.sparse.mm(matrix, grad_out.to(matrix.dtype))
+            grad_dense = _sparse_mm(matrix, grad_out.to(matrix.dtype))
         return None, grad_dense.to(ctx.dense_dtype)
 
 # %% ../nbs/08_losses.ipynb #ebb0f5b0
