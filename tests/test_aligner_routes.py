@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,6 +51,7 @@ def both_routes(a: str, b: str, batch: list[str], ctx=(None, None)):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(texts, min_size=1, max_size=6), st.sampled_from([None, 3, 8, 40]), st.sampled_from([None, 5, 30]))
+@example(batch=["\u1100"], ctx_s=3, ctx_t=None)  # truncation keeps no content segment but an empty token
 def test_tiled_route_equals_general_route(batch, ctx_s, ctx_t):
     for a, b in PAIRS:
         tiled, general, auto = both_routes(a, b, batch, (ctx_s, ctx_t))

@@ -410,7 +410,9 @@ def _align_flat(students: Sequence[TokenSpans], # kept student spans per sample
     full_t = np.bincount(t_seg_ne, minlength=n_seg)
     used = (full_s + full_t) > 0
     def orphans(seg, emp, key):
-        lost = (seg[emp] < 0) | ~used[np.maximum(seg[emp], 0)]
+        at = seg[emp]
+        lost = at < 0  # in no segment; `used` is only read for the others (it is empty when nothing was kept)
+        lost[~lost] = ~used[at[~lost]]
         seg[emp[lost]] = -1
         return emp[lost], key[lost]
     s_orphan, s_okey = orphans(s_seg, s_emp, s_ekey)
@@ -1725,20 +1727,22 @@ def _cli_tokenizer(name: str):
     raise ValueError(f"tokenizer {name!r} is neither a load_tokenizer name ({', '.join(TOKENIZER_SOURCES)}) nor a path")
 
 
-def align_main(argv: Sequence[str] | None = None # command-line arguments (None: sys.argv[1:])
-              ) -> int:
-    "`xtoken-dp align TEXT --student NAME --teacher NAME`: print the chunk table and the stats of one text."
+def _align_parser():
+    "The `xtoken-dp align` argument parser (the alignment views add `--html` to it)."
     import argparse
     p = argparse.ArgumentParser(prog="xtoken-dp align", description="Align one text between two tokenizers.")
     p.add_argument("text", help="the text to align")
     p.add_argument("--student", required=True, help="load_tokenizer name or tokenizer.json path")
     p.add_argument("--teacher", required=True, help="load_tokenizer name or tokenizer.json path")
     p.add_argument("--no-special-tokens", action="store_true", help="do not apply the tokenizers' templates")
-    args = p.parse_args(argv)
+    return p
+
+
+def _align_and_print(args, parser):
+    "Load both tokenizers (a usage error if one is unknown), align `args.text` and print the table and the stats."
     try: student, teacher = _cli_tokenizer(args.student), _cli_tokenizer(args.teacher)
-    except (ValueError, FileNotFoundError) as e: p.error(str(e))
-    aligner = TokenAligner(student, teacher)
-    res = aligner.align_texts([args.text], add_special_tokens=not args.no_special_tokens)
+    except (ValueError, FileNotFoundError) as e: parser.error(str(e))
+    res = TokenAligner(student, teacher).align_texts([args.text], add_special_tokens=not args.no_special_tokens)
     print(f"{'chunk':>5}  {'bytes':>11}  {'ok':<3} {'kind':<16} student | teacher")
     for r in chunk_rows(res.samples[0], args.text, student, teacher):
         a, b = r["bytes"]
@@ -1747,4 +1751,12 @@ def align_main(argv: Sequence[str] | None = None # command-line arguments (None:
     print()
     for k, v in res.stats().to_dict().items():
         if "_chunk_size_" not in k: print(f"{k:>26}  {v:g}")
+    return res, student, teacher
+
+
+def align_main(argv: Sequence[str] | None = None # command-line arguments (None: sys.argv[1:])
+              ) -> int:
+    "`xtoken-dp align TEXT --student NAME --teacher NAME`: print the chunk table and the stats of one text."
+    parser = _align_parser()
+    _align_and_print(parser.parse_args(argv), parser)
     return 0
