@@ -472,23 +472,17 @@ def plot_learning_curves(rows: Iterable[Mapping], # dicts with arm, seed, step, 
 def align_html_main(argv: Sequence[str] | None = None # command-line arguments (None: sys.argv[1:])
                    ) -> int:
     "`xtoken-dp align TEXT --student NAME --teacher NAME [--html FILE]`: the chunk table and stats, and an HTML page."
-    from xtoken_dp.aligner import _cli_tokenizer, align_main
-    p = argparse.ArgumentParser(prog="xtoken-dp align", description="Align one text between two tokenizers: print the "
-                                "chunk table and the statistics, and optionally write the alignment as an HTML page.")
-    p.add_argument("text", help="the text to align")
-    p.add_argument("--student", required=True, help="load_tokenizer name or tokenizer.json path")
-    p.add_argument("--teacher", required=True, help="load_tokenizer name or tokenizer.json path")
-    p.add_argument("--no-special-tokens", action="store_true", help="do not apply the tokenizers' templates")
+    from xtoken_dp.aligner import _align_and_print, _align_parser
+    p = _align_parser()
+    p.description = ("Align one text between two tokenizers: print the chunk table and the statistics, and optionally "
+                     "write the alignment as an HTML page.")
     p.add_argument("--html", metavar="FILE", help="also write the alignment view to this HTML file")
     args = p.parse_args(argv)
     target = None if args.html is None else Path(args.html)
     if target is not None and (target.is_dir() or not target.parent.is_dir()):
         p.error(f"--html must name a file in an existing folder, got {args.html!r}")
-    forwarded = ["--student", args.student, "--teacher", args.teacher]
-    rc = align_main(forwarded + (["--no-special-tokens"] if args.no_special_tokens else []) + ["--", args.text])
-    if rc or target is None: return rc
-    student, teacher = _cli_tokenizer(args.student), _cli_tokenizer(args.teacher)
-    res = TokenAligner(student, teacher).align_texts([args.text], add_special_tokens=not args.no_special_tokens)
+    res, student, teacher = _align_and_print(args, p)  # tokenizers loaded and the text aligned once, for both outputs
+    if target is None: return 0
     alignment_html(res, args.text, student_tokenizer=student, teacher_tokenizer=teacher,
                    names=(args.student, args.teacher)).save(target)
     print(f"wrote {target}")
