@@ -26,7 +26,7 @@ from .schema import FieldSpec, Schema, gather_many, lengths_to_offsets, make_jag
 __all__ = ['MULTI_FIELDS', 'FULL_CASES', 'QUICK_CASES', 'Case', 'case_lengths', 'case_data', 'per_row_pack', 'cat_route_pack',
            'gather_route_pack', 'per_row_materialize', 'per_row_serialize', 'per_row_response', 'memcpy',
            'measure_pack', 'measure_materialize', 'measure_serialize', 'measure_response', 'measure_bytes',
-           'measure_case', 'check_targets', 'run']
+           'measure_device_transfer', 'measure_case', 'check_targets', 'run']
 
 # %% ../nbs/12a_bench_codec.ipynb #9c6de80d
 MULTI_FIELDS = (("input_ids", torch.int64, ()), ("logprobs", torch.float32, ()), ("token_mask", torch.bool, ()),
@@ -221,6 +221,38 @@ def measure_bytes(case, columns, wire, schema, names) -> dict:
             "padded_per_payload_x": _nbytes(padded.values()) / sizes["payload"],
             "wire_per_payload_x": (sizes["payload"] + header_bytes) / sizes["payload"]}
 
+# %% ../nbs/12a_bench_codec.ipynb #268be683
+def measure_device_transfer(case, columns, lengths, names, repeats, device: str = "cuda") -> list[dict]:
+    "Host wire -> device padded: compact values moved then padded there vs padded on the host then moved; pack there."
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    token_cols = {k: columns[k] for k in names}
+    token_schema = Schema([FieldSpec(k, "token") for k in names])
+    wire = pack_jagged_fields(token_cols, lengths=lengths, schema=token_schema)
+    natural = max(int(wire.get(k)._max_seqlen) for k in names)
+    target = -(-natural // 64) * 64
+    host_padded = materialize(wire, pad_to_seqlen=target)
+    def compact_then_pad():
+        out = materialize(wire.to(device), pad_to_seqlen=target); sync(); return out
+    def pad_then_move():
+        out = {k: v.to(device) for k, v in materialize(wire, pad_to_seqlen=target).items()}; sync(); return out
+    for name, got in (("compact then pad", compact_then_pad()), ("pad then move", pad_then_move())):
+        for k in names:  # both routes must do the same work, or the ratio means nothing
+            if not torch.equal(got[k].cpu(), host_padded[k]):
+                raise RuntimeError(f"{device} route {name!r} gave a different {k!r} than the host materialize")
+    dev_cols, dev_lengths = {k: v.to(device) for k, v in token_cols.items()}, lengths.to(device)
+    def pack_there():
+        out = pack_jagged_fields(dev_cols, lengths=dev_lengths, schema=token_schema); sync(); return out
+    def per_row_there():
+        out = per_row_pack(dev_cols, dev_lengths, names); sync(); return out
+    t = time_many({"compact": compact_then_pad, "padded": pad_then_move, "pack": pack_there, "per_row": per_row_there},
+                  repeats=repeats)
+    compact_bytes = _nbytes([wire.get(k).values() for k in names] + [wire.get(names[0]).offsets()])
+    return [_row(case, f"{device}: move compact + pad there", t["compact"], t["padded"], "pad on host + move", None,
+                 compact_bytes),
+            _row(case, f"{device}: pack", t["pack"], t["per_row"], "per-row there", None,
+                 _nbytes([wire.get(k).values() for k in names]))]
+
+
 # %% ../nbs/12a_bench_codec.ipynb #cc4b5b0f
 def measure_case(case: Case, repeats: int) -> dict:
     "Every measurement of one case."
@@ -230,6 +262,7 @@ def measure_case(case: Case, repeats: int) -> dict:
     rows = pack_rows + measure_materialize(case, wire, names, reps)
     ser_rows, ser = measure_serialize(case, wire, schema, names, repeats)
     rows += ser_rows + measure_response(case, wire, lengths, repeats)
+    if torch.cuda.is_available(): rows += measure_device_transfer(case, columns, lengths, names, repeats)
     return {"case": case.name, "n": case.n, "s": case.s, "tokens": int(lengths.sum()),
             "bytes": {**measure_bytes(case, columns, wire, schema, names), **ser}, "rows": rows}
 
