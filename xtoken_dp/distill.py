@@ -38,15 +38,16 @@ from .ipc import TeacherLogitsProducer, rebuild_teacher_full_logits_from_ipc
 __all__ = ['BLOCK_BYTES', 'EOS_TOKEN', 'PAD_TOKEN', 'UNK_TOKEN', 'TEACHER_VOCAB_SIZE', 'STUDENT_VOCAB_SIZE',
            'STUDENT_SAMPLE_BYTES', 'METASPACE', 'TOKENIZER_RECIPE', 'WINDOW_CHARS', 'TEACHER_CTX', 'STUDENT_CTX',
            'EVAL_SEED', 'EVAL_WINDOWS', 'CURVE_WINDOWS', 'MAX_ROUNDTRIP_EXCLUSION', 'PROJECTION_TOP_K', 'ALM_TUNING',
-           'ARMS', 'DEFAULT_ARMS', 'IPC_KEY', 'PRESETS', 'B8_FAMILY', 'B8_GAIN', 'is_heldout', 'utf8_blocks', 'Corpus',
-           'load_corpus', 'build_teacher_tokenizer', 'student_sample', 'build_student_tokenizer', 'wrap_tokenizer',
-           'tokenizer_stats', 'DemoTokenizers', 'train_tokenizers', 'encode_windows', 'EvalSet', 'make_eval_set',
-           'WindowPlan', 'plan_windows', 'pad_sequences', 'flat_batch', 'StepBatcher', 'alignment_checks', 'GPTConfig',
-           'teacher_config', 'student_config', 'Block', 'TinyGPT', 'ArmStack', 'TrainConfig', 'lr_factor',
-           'make_optimizer', 'clip_grad_norm_per_arm_', 'sequence_nll', 'bits_per_byte', 'arms_bits_per_byte',
-           'next_token_ce', 'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'ArmSpec',
-           'arm_loss_config', 'TeacherSignal', 'teacher_signal', 'kd_term', 'StudentRun', 'train_student', 'DemoConfig',
-           'b8_checks', 'render_report', 'DemoResult', 'run_demo', 'tune_alm', 'demo_main']
+           'ARMS', 'DEFAULT_ARMS', 'IPC_KEY', 'PRESETS', 'B8_FAMILY', 'B8_GAIN', 'ALLOCATOR_ENV', 'is_heldout',
+           'utf8_blocks', 'Corpus', 'load_corpus', 'build_teacher_tokenizer', 'student_sample',
+           'build_student_tokenizer', 'wrap_tokenizer', 'tokenizer_stats', 'DemoTokenizers', 'train_tokenizers',
+           'encode_windows', 'EvalSet', 'make_eval_set', 'WindowPlan', 'plan_windows', 'pad_sequences', 'flat_batch',
+           'StepBatcher', 'alignment_checks', 'GPTConfig', 'teacher_config', 'student_config', 'Block', 'TinyGPT',
+           'ArmStack', 'TrainConfig', 'lr_factor', 'make_optimizer', 'clip_grad_norm_per_arm_', 'sequence_nll',
+           'bits_per_byte', 'arms_bits_per_byte', 'next_token_ce', 'TeacherRun', 'train_teacher', 'DemoProjection',
+           'demo_projection', 'ArmSpec', 'arm_loss_config', 'TeacherSignal', 'teacher_signal', 'kd_term', 'StudentRun',
+           'train_student', 'DemoConfig', 'b8_checks', 'render_report', 'DemoResult', 'run_demo', 'tune_alm',
+           'demo_main']
 
 # %% ../nbs/10_distill.ipynb #54be6703
 BLOCK_BYTES = 64 * 1024  # block size of a user corpus (`--corpus FILE`)
@@ -1467,6 +1468,12 @@ def _dp_worker_main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
     return 0
 
+# Every training step allocates and frees the same multi-MiB tensors (logits, their gradients, chunk distributions).
+# By default glibc serves blocks above a dynamic threshold with fresh mmaps and returns freed heap tops to the system,
+# so each step faults the same pages in again: a default run took 22.7 million minor page faults. Keeping freed blocks
+# in the heap made a training step 15-20 % faster here (student CE step 38 -> 32 ms, the KD terms together 210 -> 165 ms).
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
@@ -1491,6 +1498,7 @@ def _run_student_job_dp(job: dict, world: int, scratch: Path) -> tuple[dict, dic
         job_path, result_path = Path(tmp) / "job.pkl", Path(tmp) / "result.pt"
         with open(job_path, "wb") as f: pickle.dump(job, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]))
+        for name, value in ALLOCATOR_ENV.items(): env.setdefault(name, value)  # a caller's own setting wins
         entry = "import sys; from xtoken_dp.distill import _dp_worker_main; sys.exit(_dp_worker_main())"
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, "-c", entry, str(job_path), str(rank), str(world), str(port), str(result_path)],
@@ -1514,7 +1522,8 @@ def _train_all_students(config, arms, corpus, toks, teacher, projection, eval_se
         torch.set_num_threads(config.threads_per_process)
         runs, phases = _run_student_job(job)
     else:
-        log(f"students: {config.dp} data-parallel gloo processes, {config.threads_per_process} thread(s) each")
+        log(f"students: {config.dp} data-parallel gloo processes, {config.threads_per_process} thread(s) each, glibc "
+            + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in ALLOCATOR_ENV.items()))
         runs, phases = _run_student_job_dp(job, config.dp, config.cache_path)
     timings["students"] = time.perf_counter() - start
     timings.update({f"  {name}": secs for name, secs in phases.items()})
