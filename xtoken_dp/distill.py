@@ -707,12 +707,17 @@ def clip_grad_norm_per_arm_(
     return norms
 
 # %% ../nbs/10_distill.ipynb #f2723e22
-def _window_nll(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[float, int]:
+def _window_nll(logits: Tensor, ids: Tensor, mask: Tensor, rows_per_pass: int = 4) -> tuple[float, int]:
     "Summed next-token NLL (float64) over the real tokens after the first, and their number."
-    logits = logits[:, :-1].double()
-    target, valid = ids[:, 1:], mask[:, 1:]
-    nll = torch.logsumexp(logits, -1) - logits.gather(-1, target[..., None]).squeeze(-1)
-    return float(nll[valid].sum()), int(valid.sum())
+    # float64 a few windows at a time: a whole batch in float64 is a 50 MB temporary per arm, which glibc maps and
+    # unmaps on every call (the page faults were a visible share of the evaluation time)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, logits.shape[0], rows_per_pass):
+        rows = logits[start : start + rows_per_pass, :-1].double()
+        target, valid = ids[start : start + rows_per_pass, 1:], mask[start : start + rows_per_pass, 1:]
+        nll = torch.logsumexp(rows, -1) - rows.gather(-1, target[..., None]).squeeze(-1)
+        total += nll[valid].sum()
+    return float(total), int(mask[:, 1:].sum())
 
 @torch.no_grad()
 def sequence_nll(
