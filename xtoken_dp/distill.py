@@ -1476,7 +1476,8 @@ def _dp_worker_main(argv: Sequence[str] | None = None) -> int:
 # Every training step allocates and frees the same multi-MiB tensors (logits, their gradients, chunk distributions).
 # By default glibc serves blocks above a dynamic threshold with fresh mmaps and returns freed heap tops to the system,
 # so each step faults the same pages in again: a default run took 22.7 million minor page faults. Keeping freed blocks
-# in the heap made a training step 15-20 % faster here (student CE step 38 -> 32 ms, the KD terms together 210 -> 165 ms).
+# in the heap made an isolated training step 15-20 % faster here (student CE step 38 -> 32 ms, the KD terms together
+# 210 -> 165 ms); whole runs on this shared 2-core machine vary by about as much, so the run-level gain is not resolved.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 def _free_port() -> int:
