@@ -607,12 +607,8 @@ def _global_starts(side: _TiledSide, base: np.ndarray) -> np.ndarray:
     return pos if side.nonempty is None else pos.compress(side.nonempty)
 
 # %% ../nbs/04_aligner.ipynb #c02bdf4a
-def _tiled_content_chunks(s_pos: np.ndarray, # sorted global starts of the student's non-empty content tokens
-                          t_pos: np.ndarray, # the same for the teacher
-                          base: np.ndarray, # int64 [B+1] where each sample starts on the byte axis
-                          last: np.ndarray, # int64 [B] where each sample's kept bytes end
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    "Content chunks of two tiled sides: (chunk starts, chunk ends, student token -> chunk, teacher token -> chunk)."
+def _chunks_by_merge(s_pos: np.ndarray, t_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    "(common starts, student token -> chunk, teacher token -> chunk) by merging the two sorted position lists."
     key = np.concatenate([s_pos << 1, (t_pos << 1) | 1])
     key.sort(kind="stable")                            # a merge of two sorted runs
     of_teacher = (key & 1).astype(bool)
@@ -624,6 +620,32 @@ def _tiled_content_chunks(s_pos: np.ndarray, # sorted global starts of the stude
     t_opens = np.zeros(len(key), bool)
     t_opens[1:] = opens[:-1]                           # the twin opens the same chunk on the teacher side
     t_chunk = np.cumsum(t_opens.compress(of_teacher)) - 1
+    return content_byte, s_chunk, t_chunk
+
+
+def _chunks_by_marks(s_pos: np.ndarray, t_pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    "The same by marking both sides' starts on a byte axis of length `n` (for batches about as long in bytes as in tokens)."
+    mark = np.zeros(n, np.uint8)
+    mark[s_pos] = 1
+    mark[t_pos] += 2                                   # positions are distinct within a side
+    common = mark == 3
+    rank = np.cumsum(common, dtype=np.int32 if n < 2**31 else np.int64)   # common starts at or before each byte
+    s_chunk = rank.take(s_pos).astype(np.int64)
+    s_chunk -= 1
+    t_chunk = rank.take(t_pos).astype(np.int64)
+    t_chunk -= 1
+    return np.flatnonzero(common), s_chunk, t_chunk
+
+
+def _tiled_content_chunks(s_pos: np.ndarray, # sorted global starts of the student's non-empty content tokens
+                          t_pos: np.ndarray, # the same for the teacher
+                          base: np.ndarray, # int64 [B+1] where each sample starts on the byte axis
+                          last: np.ndarray, # int64 [B] where each sample's kept bytes end
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    "Content chunks of two tiled sides: (chunk starts, chunk ends, student token -> chunk, teacher token -> chunk)."
+    n = int(base[-1])
+    if n <= 8 * (len(s_pos) + len(t_pos)): content_byte, s_chunk, t_chunk = _chunks_by_marks(s_pos, t_pos, n)
+    else: content_byte, s_chunk, t_chunk = _chunks_by_merge(s_pos, t_pos)   # long tokens: a byte axis would cost more
     content_end = np.empty(len(content_byte), np.int64)
     content_end[:-1] = content_byte[1:]
     content_end[np.searchsorted(content_byte, base[1:]) - 1] = last   # a sample's last chunk ends at its L

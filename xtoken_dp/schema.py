@@ -243,6 +243,35 @@ def jagged_lengths(njt: torch.Tensor) -> torch.Tensor:
     return njt.lengths() if njt.lengths() is not None else njt.offsets().diff()
 
 
+def _public_jagged(values, offsets, lo: int, hi: int) -> torch.Tensor:
+    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=lo, max_seqlen=hi)
+
+
+def _direct_jagged_builder():
+    "torch's own NJT constructor, called without the dispatch round trip, if it builds exactly what the public call builds."
+    try: from torch.nested._internal.nested_tensor import NestedTensor, _store_val_in_tensor
+    except ImportError: return None
+    def build(values, offsets, lo, hi):
+        return NestedTensor(values, offsets, _metadata_cache={"min_seqlen": _store_val_in_tensor(lo),
+                                                              "max_seqlen": _store_val_in_tensor(hi)})
+    for values, offsets, lo, hi in ((torch.arange(5), torch.tensor([0, 3, 3, 5]), 0, 3),
+                                    (torch.ones(4, 2, dtype=torch.bool), torch.tensor([0, 1, 4]), 1, 3)):
+        try: a, b = _public_jagged(values, offsets, lo, hi), build(values, offsets, lo, hi)
+        except Exception: return None
+        same = (type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype and a._ragged_idx == b._ragged_idx
+                and b.offsets() is offsets and b._values is values and a.lengths() is None and b.lengths() is None
+                and (a._min_seqlen, a._max_seqlen) == (b._min_seqlen, b._max_seqlen) == (lo, hi)
+                and torch.equal(a.values(), b.values()))
+        if not same: return None
+    return build
+
+_DIRECT_JAGGED: list = []   # [builder or None], resolved on first use (the import-time notice below is consumed by then)
+
+def _direct_jagged():
+    if not _DIRECT_JAGGED: _DIRECT_JAGGED.append(_direct_jagged_builder())
+    return _DIRECT_JAGGED[0]
+
+
 def make_jagged(values: torch.Tensor, # `[T, *trailing]` values buffer
                 offsets: torch.Tensor, # int64 `[N+1]` offsets, kept by reference
                 *, min_seqlen: int | None = None, # cached shortest row; None: computed from the offsets
@@ -253,8 +282,12 @@ def make_jagged(values: torch.Tensor, # `[T, *trailing]` values buffer
         lo, hi = (int(v) for v in torch.aminmax(offsets.diff())) if offsets.numel() > 1 else (0, 0)
         min_seqlen = lo if min_seqlen is None else min_seqlen
         max_seqlen = hi if max_seqlen is None else max_seqlen
-    return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=int(min_seqlen),
-                                                  max_seqlen=int(max_seqlen))
+    lo, hi = int(min_seqlen), int(max_seqlen)
+    build = _direct_jagged()
+    if (build is not None and not values.requires_grad and values.dim() >= 1 and offsets.dim() == 1
+            and offsets.dtype == torch.int64 and offsets.device == values.device and not torch.compiler.is_compiling()):
+        return build(values, offsets, lo, hi)
+    return _public_jagged(values, offsets, lo, hi)
 
 # %% ../nbs/00_schema.ipynb #7a93eaa7
 def _consume_fx_tracing_notice() -> None:
