@@ -17,8 +17,9 @@ import torch
 from fastcore.basics import patch
 
 from .schema import AlignmentBatch, compact_jagged, is_jagged, make_jagged
-from .tokenizers import (ROLES, TokenSpans, _new_spans, batch_token_byte_spans, describe_tokenizer, piece_bytes_table,
-                                  special_token_roles, token_byte_spans, tokenizer_fingerprint)
+from .tokenizers import (ROLES, TokenSpans, _SpanList, _new_spans, _span_columns, batch_token_byte_spans,
+                                  describe_tokenizer, piece_bytes_table, special_token_roles, token_byte_spans,
+                                  tokenizer_fingerprint)
 
 # %% auto #0
 __all__ = ['DEFAULT_ROLE_EQUIVALENCE', 'PROBE_TEXTS', 'shift_chunk_ids', 'role_classes', 'ChunkKind', 'SampleAlignment',
@@ -146,16 +147,10 @@ def _offsets_of(lengths: np.ndarray) -> np.ndarray:
 
 
 def _side(spans: Sequence[TokenSpans], base: np.ndarray) -> _Side:
-    counts = np.fromiter((len(s.ids) for s in spans), np.int64, len(spans))
-    offsets = _offsets_of(counts)
+    cols = _span_columns(spans)
+    counts = np.diff(cols.offsets)
     shift = np.repeat(base[:-1], counts)
-    start = _concat([s.start for s in spans], np.int64)
-    start += shift
-    end = _concat([s.end for s in spans], np.int64)
-    end += shift
-    exact = _concat([s.exact for s in spans], np.bool_)
-    role = _concat([s.role for s in spans], np.int8)
-    return _Side(offsets, counts, start, end, exact, role, role == 0)
+    return _Side(cols.offsets, counts, cols.start + shift, cols.end + shift, cols.exact, cols.role, cols.role == 0)
 
     
 def _sample_of(side: _Side, idx: np.ndarray) -> np.ndarray:
@@ -569,15 +564,12 @@ def _tiled_side(spans: Sequence[TokenSpans], # one side's kept spans per sample
                 L_total: int, # L.sum()
                ) -> _TiledSide | None:
     "The side's arrays when its non-empty content spans tile `[0, L)` of every sample and specials only lead or trail; else None."
-    counts = np.fromiter((len(s.ids) for s in spans), np.int64, len(spans))
-    offsets = _offsets_of(counts)
-    start = _concat([s.start for s in spans], np.int64)
-    length = _concat([s.end for s in spans], np.int64)
-    length -= start
+    cols = _span_columns(spans)
+    offsets, start, role = cols.offsets, cols.start, cols.role
+    counts = np.diff(offsets)
+    length = cols.end - start
     if int(length.sum()) != L_total: return None
-    run = _concat([s.run for s in spans], np.int32)
-    if len(run) and run.max() >= 0: return None        # a fused run repeats one span: its lengths count twice
-    role = _concat([s.role for s in spans], np.int8)
+    if len(cols.run) and cols.run.max() >= 0: return None   # a fused run repeats one span: its lengths count twice
     is_zero = length == 0
     zero = np.flatnonzero(is_zero)                      # specials (always empty) and empty content tokens
     is_special = role.take(zero) != 0
@@ -597,8 +589,7 @@ def _tiled_side(spans: Sequence[TokenSpans], # one side's kept spans per sample
         nxt = np.minimum(empty + 1, n - 1)
         if not ((empty + 1 < offsets[samp + 1]) & (role[nxt] == 0) & (length[nxt] > 0) & (start[nxt] == start[empty])).all():
             return None
-    exact = _concat([s.exact for s in spans], np.bool_)
-    return _TiledSide(offsets, counts, start, exact, role, special, empty, None if len(zero) == 0 else ~is_zero)
+    return _TiledSide(offsets, counts, start, cols.exact, role, special, empty, None if len(zero) == 0 else ~is_zero)
 
 
 def _global_starts(side: _TiledSide, base: np.ndarray) -> np.ndarray:
@@ -1312,6 +1303,9 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
     fits = np.ones(B, bool)
     for side, c in zip(sides, ctx_lengths):
         if c is not None: fits &= np.fromiter((len(sp.ids) for sp in side), np.int64, B) <= c
+    if fits.all():   # nothing to cut: each side goes on as a new list of the same spans, with its columns if it has them
+        return BatchTruncation(tuple(_SpanList(side, _span_columns(side)) if isinstance(side, _SpanList) else list(side)
+                                     for side in sides), nbytes, nbytes.copy(), np.zeros((B, len(sides)), bool))
     out = [list(side) for side in sides]
     kept = nbytes.copy()
     truncated = np.zeros((B, len(sides)), bool)

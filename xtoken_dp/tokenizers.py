@@ -6,7 +6,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/tokenizers.html.md"""
 
 # %% ../nbs/03_tokenizers.ipynb #66d9a1bd
 from __future__ import annotations
-import argparse, array, base64, functools, hashlib, importlib, importlib.metadata, itertools, json, os, random, re
+import argparse, array, base64, functools, hashlib, importlib, importlib.metadata, itertools, json, operator, os, random, re
 import shutil, subprocess, sys, sysconfig, tempfile, threading, unicodedata, uuid, warnings, weakref, zipfile
 from dataclasses import dataclass, asdict
 from pathlib import Path
@@ -941,6 +941,44 @@ def _new_spans(ids, start, end, exact, role, run, nbytes) -> TokenSpans:
     sp.__dict__.update(ids=ids, start=start, end=end, exact=exact, role=role, run=run, nbytes=nbytes)
     return sp
 
+class _SpanColumns:
+    "A batch of spans end to end: every `TokenSpans` field concatenated, per-sample token offsets and byte counts."
+    _DTYPES = {"ids": np.int64, "start": np.int64, "end": np.int64, "exact": np.bool_, "role": np.int8, "run": np.int32}
+
+    def __init__(self, spans: Sequence[TokenSpans] | None = None, **columns):
+        "Either the columns themselves (`ids=`, ..., `offsets=`, `nbytes=`) or `spans`, concatenated field by field on first use."
+        self._spans = spans
+        self.__dict__.update(columns)
+
+    def __getattr__(self, name):   # only called for a column not computed yet
+        spans = self.__dict__.get("_spans")
+        if spans is None or name not in (*self._DTYPES, "offsets", "nbytes"): raise AttributeError(name)
+        B = len(spans)
+        if name == "nbytes": value = np.fromiter((s.nbytes for s in spans), np.int64, B)
+        elif name == "offsets":
+            value = np.zeros(B + 1, np.int64)
+            np.cumsum(np.fromiter((len(s.ids) for s in spans), np.int64, B), out=value[1:])
+        else:
+            dtype = self._DTYPES[name]
+            value = np.concatenate([getattr(s, name) for s in spans]).astype(dtype, copy=False) if B else np.zeros(0, dtype)
+        self.__dict__[name] = value
+        return value
+
+
+class _SpanList(list):
+    "A list of `TokenSpans` that also keeps their columns (batch functions read those instead of concatenating again)."
+    def __init__(self, items, columns: _SpanColumns):
+        super().__init__(items)
+        self._columns, self._items = columns, tuple(self)
+
+
+def _span_columns(spans: Sequence[TokenSpans]) -> _SpanColumns:
+    "The columns of a batch: the kept ones of an unmodified `_SpanList`, else a view that concatenates each one on use."
+    if (isinstance(spans, _SpanList) and len(spans) == len(spans._items)
+            and all(map(operator.is_, spans, spans._items))):
+        return spans._columns
+    return _SpanColumns(list(spans))
+
 # %% ../nbs/03_tokenizers.ipynb #e4150601
 _ENCODE_LOCK = threading.RLock()
 
@@ -1076,7 +1114,9 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
         spans = _new_spans(ids[a:b], start[a:b], end[a:b], exact[a:b], role[a:b], run[a:b], nbytes[i])
         if check_offsets and not _inside_offsets(spans, texts[i], encs[i]): continue
         out[i] = spans
-    return out
+    if any(r is None for r in out): return out
+    return _SpanList(out, _SpanColumns(ids=ids, start=start, end=end, exact=exact, role=role, run=run,
+                                       offsets=np.array(bounds, np.int64), nbytes=np.array(nbytes, np.int64)))
 
 def _template_specials_only(special, bounds, counts, lead, trail) -> list[bool]:
     "Per sample: are the specials exactly the template's (lead in front, trail behind)?"
@@ -1271,6 +1311,7 @@ def _spans_of_batch(prof, codes, texts, tbs, encodings, add_special_tokens, path
         if todo:
             sub = _fast_spans(prof, codes, [texts[i] for i in todo], [tbs[i] for i in todo],
                               [encodings[i] for i in todo], add_special_tokens, check_offsets)
+            if len(todo) == len(texts) and isinstance(sub, _SpanList): return sub   # every text took the fast path
             for i, r in zip(todo, sub):
                 # text the NFC normaliser changes cannot pass the byte comparison: an expected miss, not a failure
                 if r is None and not (prof.nfc and not unicodedata.is_normalized("NFC", texts[i])):
