@@ -1052,6 +1052,17 @@ def _arange(n: int) -> np.ndarray:
     if n > len(_ARANGE): _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int64)
     return _ARANGE[:n]
 
+_NO_RUNS = np.full(1 << 16, -1, np.int32)
+_NO_RUNS.flags.writeable = False
+
+def _no_runs(n: int) -> np.ndarray:
+    "A read-only run column of -1 (no fused run) of length n, a view of one shared buffer (grown on demand)."
+    global _NO_RUNS
+    if n > len(_NO_RUNS):
+        _NO_RUNS = np.full(max(n, 2 * len(_NO_RUNS)), -1, np.int32)
+        _NO_RUNS.flags.writeable = False
+    return _NO_RUNS[:n]
+
 def _ids_array(encs) -> tuple[np.ndarray, list[int]]:
     "All ids of a batch as one int64 array, and the per-sample counts."
     buf, counts = array.array("Q"), []    # unsigned: array fills it about twice as fast as "q" from Python ints
@@ -1067,7 +1078,7 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
     n, table = len(encs), prof.table
     ids, counts = _ids_array(encs)
     if len(ids) and ids.max() >= min(len(table), len(codes)): raise _StaleProfile(int(ids.max()))
-    clen, role = table.content_lengths[ids], codes[ids]
+    clen, role = table.content_lengths.take(ids), codes.take(ids)   # take: about 15 % faster than [] here
     bounds = list(itertools.accumulate(counts, initial=0))           # per-sample bookkeeping stays in Python
     lead, trail = (prof.lead, prof.trail) if add_special_tokens else (0, 0)
     ok = [c >= lead + trail for c in counts]
@@ -1091,11 +1102,11 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
         return out
     # every piece byte, gathered in order, must equal the text (a dummy prefix's virtual space included)
     ref = b"".join([b" " + tb if d else tb for tb, d in zip(tbs, dummy)]) if any(dummy) else b"".join(tbs)
-    src = table.offsets[ids]
+    src = table.offsets.take(ids)
     src -= csum[:-1]
     gather = np.repeat(src, clen)
     gather += _arange(len(gather))
-    got = table.buffer[gather].tobytes()
+    got = table.buffer.take(gather).tobytes()
     failed = set()
     if got != ref:
         differs = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(ref, np.uint8))
@@ -1107,7 +1118,7 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
         np.maximum(end, 0, out=end)
         clen = clen.copy(); clen[[bounds[i] + lead for i, d in enumerate(dummy) if d]] -= 1
     start = end - clen
-    exact, run = role == 0, np.full(len(ids), -1, np.int32)
+    exact, run = role == 0, _no_runs(len(ids))
     for i in range(n):
         if i in failed: continue
         a, b = bounds[i], bounds[i + 1]
