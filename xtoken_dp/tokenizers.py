@@ -1332,6 +1332,17 @@ def _spans_of_batch(prof, codes, texts, tbs, encodings, add_special_tokens, path
         if r is None: out[i] = _generic_spans(prof, codes, texts[i], tbs[i], encodings[i])
     return out
 
+_LAST_UTF8: tuple[tuple[str, ...], list[bytes]] = ((), [])   # the last batch's texts and their UTF-8
+
+def _utf8(texts: list[str]) -> list[bytes]:
+    "UTF-8 of every text; the next tokenizer of the same batch (the very same str objects) reuses it."
+    global _LAST_UTF8
+    last_texts, last_bytes = _LAST_UTF8
+    if len(last_texts) == len(texts) and all(map(operator.is_, texts, last_texts)): return last_bytes
+    tbs = [t.encode("utf-8") for t in texts]
+    _LAST_UTF8 = (tuple(texts), tbs)
+    return tbs
+
 def batch_token_byte_spans(tok,                            # a transformers fast tokenizer
                            texts: Sequence[str],           # the texts, encoded in one backend call
                            *, add_special_tokens: bool = True, # apply the tokenizer's template
@@ -1352,7 +1363,7 @@ def batch_token_byte_spans(tok,                            # a transformers fast
         encodings = [_as_encoding(e) for e in encodings]
         if len(encodings) != len(texts):
             raise ValueError(f"encodings: expected {len(texts)} (one per text), got {len(encodings)}")
-    tbs = [t.encode("utf-8") for t in texts]
+    tbs = _utf8(texts)
     try: return _spans_of_batch(*_profile(tok), texts, tbs, encodings, add_special_tokens, path, check_offsets)
     except _StaleProfile: pass                       # ids beyond the profiled vocabulary: tokens were added
     try: return _spans_of_batch(*_profile(tok, refresh=True), texts, tbs, encodings, add_special_tokens, path,
