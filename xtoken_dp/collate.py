@@ -24,8 +24,8 @@ from .aligner import (AlignmentResult, AlignmentStats, TokenAligner, template_sp
 from .codec import materialize as codec_materialize
 from .codec import object_array, pack_jagged_fields
 from .schema import AlignmentBatch, FieldSpec, Schema, make_jagged
-from .tokenizers import (ROLES, TokenSpans, batch_token_byte_spans, char_to_byte_offsets, special_token_roles,
-                                  tokenizer_fingerprint)
+from .tokenizers import (ROLES, TokenSpans, _span_columns, batch_token_byte_spans, char_to_byte_offsets,
+                                  special_token_roles, tokenizer_fingerprint)
 
 # %% auto #0
 __all__ = ['pad_id_of', 'template_special_counts', 'TruncationWarning', 'round_up', 'tokenize_padded', 'CrossTokenizerCollator',
@@ -457,9 +457,8 @@ class _Side:
 
     @classmethod
     def of(cls, spans: list, mask: np.ndarray | None = None):
-        lengths = np.fromiter((len(sp.ids) for sp in spans), np.int64, len(spans))
-        ids = np.concatenate([sp.ids for sp in spans]).astype(np.int64, copy=False) if spans else np.zeros(0, np.int64)
-        return cls(ids, lengths, mask)
+        cols = _span_columns(spans)   # untruncated fast-path spans already hold their ids end to end
+        return cls(cols.ids, np.diff(cols.offsets), mask)
 
     def mask_values(self) -> torch.Tensor:
         return torch.from_numpy(np.ones(len(self.ids), bool) if self.mask is None else self.mask)
