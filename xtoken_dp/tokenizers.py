@@ -6,8 +6,8 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/tokenizers.html.md"""
 
 # %% ../nbs/03_tokenizers.ipynb #66d9a1bd
 from __future__ import annotations
-import argparse, array, base64, functools, hashlib, importlib, importlib.metadata, itertools, json, operator, os, random, re
-import shutil, subprocess, sys, sysconfig, tempfile, threading, unicodedata, uuid, warnings, weakref, zipfile
+import argparse, array, base64, functools, hashlib, importlib, importlib.metadata, itertools, json, operator, os, random
+import re, shutil, subprocess, sys, sysconfig, tempfile, threading, unicodedata, uuid, warnings, weakref, zipfile
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -946,7 +946,7 @@ class _SpanColumns:
     _DTYPES = {"ids": np.int64, "start": np.int64, "end": np.int64, "exact": np.bool_, "role": np.int8, "run": np.int32}
 
     def __init__(self, spans: Sequence[TokenSpans] | None = None, **columns):
-        "Either the columns themselves (`ids=`, ..., `offsets=`, `nbytes=`) or `spans`, concatenated field by field on first use."
+        "The columns themselves (`ids=`, ..., `offsets=`, `nbytes=`), or `spans` to concatenate field by field on use."
         self._spans = spans
         self.__dict__.update(columns)
 
