@@ -615,17 +615,16 @@ def _chunks_by_merge(s_pos: np.ndarray, t_pos: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _chunks_by_marks(s_pos: np.ndarray, t_pos: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    "The same by marking both sides' starts on a byte axis of length `n` (for batches about as long in bytes as in tokens)."
-    mark = np.zeros(n, np.uint8)
-    mark[s_pos] = 1
-    mark[t_pos] += 2                                   # positions are distinct within a side
-    common = mark == 3
-    rank = np.cumsum(common, dtype=np.int32 if n < 2**31 else np.int64)   # common starts at or before each byte
-    s_chunk = rank.take(s_pos).astype(np.int64)
+    "The same by marking each side's starts on a byte axis of length `n` (for batches about as long in bytes as in tokens)."
+    in_s, in_t = np.zeros(n, bool), np.zeros(n, bool)
+    in_s[s_pos] = True
+    in_t[t_pos] = True
+    s_shared = in_t.take(s_pos)                        # the student's starts the teacher shares, in token order
+    s_chunk = np.cumsum(s_shared, dtype=np.int64)      # a token's chunk: shared starts up to it, minus one
     s_chunk -= 1
-    t_chunk = rank.take(t_pos).astype(np.int64)
+    t_chunk = np.cumsum(in_s.take(t_pos), dtype=np.int64)
     t_chunk -= 1
-    return np.flatnonzero(common), s_chunk, t_chunk
+    return s_pos.compress(s_shared), s_chunk, t_chunk
 
 
 def _tiled_content_chunks(s_pos: np.ndarray, # sorted global starts of the student's non-empty content tokens
