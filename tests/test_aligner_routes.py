@@ -93,3 +93,37 @@ def test_tiled_route_declines():
     assert both_routes("qwen2", "wordpiece_toy", ["Hello world"])[0] is None
     assert _align_tiled([], [], CLASSES, np.zeros(0, np.int64)) is None
     with pytest.raises(ValueError, match="route: expected"): _align_flat([], [], CLASSES, None, route="tiled")
+
+
+GAPPED = [("wordpiece_toy", "qwen2"), ("qwen2", "wordpiece_toy"), ("mistral_spm", "unigram_metaspace")]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(texts, min_size=2, max_size=6))
+@example(batch=["a\x01 b\u00a0c \u3000d", "e\u0301 f\x0b g", "  \t"])   # gaps of control, no-break and ideographic space
+def test_general_route_rows_equal_samples_alone(batch):
+    "The general route reads every gap's bytes on the batch's byte axis at once: each row equals its sample aligned alone."
+    for a, b in GAPPED:
+        al = TokenAligner(tok(a), tok(b))
+        whole = al.align_texts(batch).samples
+        for i, text in enumerate(batch):
+            alone = al.align_texts([text]).samples[0]
+            for f in ("student_chunk_id", "teacher_chunk_id", "chunk_start", "chunk_end", "chunk_kind", "pair_is_correct",
+                      "student_exact_partition_mask", "teacher_exact_partition_mask"):
+                assert np.array_equal(getattr(whole[i], f), getattr(alone, f)), (a, b, batch, i, f)
+
+
+def test_gap_bytes_decide_correctness():
+    "A 2:1 chunk whose student gap holds whitespace is correct; with a control character or half a character there, not."
+    from xtoken_dp.tokenizers import TokenSpans
+    def spans(starts, ends, nbytes):
+        k = len(starts)
+        return TokenSpans(np.arange(5, 5 + k), np.array(starts), np.array(ends), np.ones(k, bool), np.zeros(k, np.int8),
+                          np.full(k, -1, np.int32), nbytes)
+    texts = ["a b", "a\x01b", "a\u00a0b", "a\u00e9b", "a\u3000b"]   # gaps of 1, 1, 2, 2 and 3 bytes
+    widths = [len(t.encode()) - 2 for t in texts]
+    S = [spans([0, 1 + w], [1, 2 + w], 2 + w) for w in widths]
+    T = [spans([0], [2 + w], 2 + w) for w in widths]
+    al = TokenAligner(tok("wordpiece_toy"), tok("qwen2"))
+    got = [bool(s.pair_is_correct.item()) for s in al.align_spans_batch(S, T, texts=texts).samples]
+    assert got == [True, False, True, False, True]
