@@ -20,7 +20,7 @@ from tokenizer_support import no_network, tok
 from test_aligner_props import texts
 
 from xtoken_dp.aligner import _Flat, _align_flat, _align_tiled, TokenAligner, role_classes, truncate_batch
-from xtoken_dp.tokenizers import batch_token_byte_spans
+from xtoken_dp.tokenizers import TokenSpans, batch_token_byte_spans
 
 SLOW = "slow" in os.environ.get("XTOKEN_DP_TEST_FLAGS", "").split()
 EXAMPLES = 600 if SLOW else 100
@@ -114,8 +114,7 @@ def test_general_route_rows_equal_samples_alone(batch):
 
 
 def test_gap_bytes_decide_correctness():
-    "A 2:1 chunk whose student gap holds whitespace is correct; with a control character or half a character there, not."
-    from xtoken_dp.tokenizers import TokenSpans
+    "A 2:1 chunk whose student gap holds whitespace (1-3 bytes) is correct; a control character or a letter there, not."
     def spans(starts, ends, nbytes):
         k = len(starts)
         return TokenSpans(np.arange(5, 5 + k), np.array(starts), np.array(ends), np.ones(k, bool), np.zeros(k, np.int8),
