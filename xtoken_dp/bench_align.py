@@ -286,12 +286,10 @@ def _pair_arg(text: str) -> tuple[str, str]:
 
 def _targets(ratios, b2, padding, scaling, quick: bool) -> list[dict]:
     out = []
-    for r in ratios:
-        out.append({"target": f"B1 {r['pair']} {r['corpus']}", "need": "(b)/(a) <= 0.10, id lists in (a)",
-                    "value": r["ratio_x"], "best": r["best_ratio_x"], "met": r["ratio_x"] <= 0.10, "level": "MUST"})
-    for r in b2:
-        out.append({"target": f"B2 {r['pair']} {r['corpus']}", "need": "(b)/(a) <= 0.10, id lists in (a)",
-                    "value": r["ratio_x"], "best": r["best_ratio_x"], "met": r["ratio_x"] <= 0.10, "level": "SHOULD"})
+    for name, level, rows in (("B1", "MUST", ratios), ("B2", "SHOULD", b2)):
+        for r in rows:
+            out.append({"target": f"{name} {r['pair']} {r['corpus']}", "need": "(b)/(a) <= 0.10, id lists in (a)",
+                        "value": r["ratio_x"], "best": r["best_ratio_x"], "met": r["ratio_x"] <= 0.10, "level": level})
     for r in padding:
         out.append({"target": f"B3 {r['pair']} {r['real_tokens']} -> {r['width']}", "need": "padded/unpadded <= 1.5",
                     "value": r["padded_over_unpadded_x"], "best": r["best_x"], "met": r["padded_over_unpadded_x"] <= 1.5,
