@@ -16,14 +16,19 @@ export XTOKEN_DP_CACHE ?= $(CURDIR)/.cache/xtoken_dp
 export MPLBACKEND := Agg
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test sync-check readme demo bench docs browser bert-assets clean-venv
+.PHONY: setup test test-newest lock sync-check readme demo bench docs browser bert-assets clean-venv
 
-# torch first (a CPU wheel on this machine's disk): a plain `torch` would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Exact versions come from the committed lock (pip constraints); pyproject.toml keeps the ranges users get.
+# PIP_CONSTRAINTS= (empty) installs the newest versions the ranges allow instead: `make test-newest`.
+PIP_CONSTRAINTS ?= -c requirements.lock
+
+# torch first (a CPU wheel on this machine's disk): a plain `torch` would pull a multi-GB CUDA build. The project is
+# built with the venv's own (locked) setuptools, not a build environment resolved afresh.
+$(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q $(PIP_CONSTRAINTS) --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(PIP_CONSTRAINTS) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_CONSTRAINTS) --no-build-isolation -e ".[dev]"
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -67,6 +72,26 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m xtoken_dp.bench all
+
+# Refresh the lock: resolve the newest versions pyproject.toml allows in a throw-away venv (torch first, as above),
+# plus LOCK_PINS, and write their exact versions. transformers stays at 5.23.0: 5.24 converts SentencePiece models so
+# that runs of spaces split differently, which changes mistral_spm's ids (not its byte spans) and every committed
+# output that shows them. The library is correct on both; `make test-newest` checks that.
+LOCK_VENV := .venv-lock
+LOCK_PINS ?= transformers==5.23.0
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/python -m pip install -q --no-build-isolation -e ".[dev]" $(LOCK_PINS)
+	$(LOCK_VENV)/bin/python tools/write_lock.py $(LOCK_PINS) > requirements.lock
+	rm -rf $(LOCK_VENV)
+	@echo "requirements.lock refreshed: review git diff requirements.lock, then run make test"
+
+# The whole suite on the newest versions the ranges allow (no lock), in its own venv.
+test-newest:
+	$(MAKE) test VENV=.venv-newest PIP_CONSTRAINTS=
 
 clean-venv:
 	rm -rf $(VENV)

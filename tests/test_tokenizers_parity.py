@@ -55,14 +55,27 @@ def test_k3_mistral_spm_vs_sentencepiece_on_single_space_texts():
     assert not bad, bad[:3]
 
 
-def test_k3_q9_pinned_difference_on_space_runs():
-    "HF SentencePiece and the sentencepiece library differ on runs of spaces; we follow HF (Q9)."
+SPACE_RUN_TEXTS = ["a  b   c", " lead", "   x", "  ", "a  ", "x \t  y", "  two  leading", "end   ", "\u3000 a  b",
+                   "café  au   lait 🙂  ok"]
+
+
+def test_k3_space_runs_invariants_hold_whichever_way_runs_are_split():
+    """Runs of spaces and a leading space: HF's SentencePiece conversion split them unlike the sentencepiece library
+    up to transformers 5.23 and like it from 5.24. Whichever way they are split, the invariants hold: the content
+    pieces spell the same SentencePiece-normalised text as the library's, the byte spans tile the text exactly, the
+    ids decode back to the text, and the generic path agrees with the fast one."""
     import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=str(distribution("mistral-common").locate_file(
         T.TOKENIZER_SOURCES["mistral_spm"].member)))
     t = tok("mistral_spm")
-    text = "a  b   c"
-    assert sp.encode(text, out_type=str) == ["▁a", "▁", "▁b", "▁▁", "▁c"]
-    assert t.convert_ids_to_tokens(t(text, add_special_tokens=False)["input_ids"]) == ["▁a", "▁▁", "b", "▁▁", "▁c"]
-    assert sp.encode(" lead", out_type=str) == ["▁", "▁lead"]
-    assert t.convert_ids_to_tokens(t(" lead", add_special_tokens=False)["input_ids"]) == ["▁▁", "le", "ad"]
+    for text in SPACE_RUN_TEXTS:
+        ids = ours("mistral_spm", [text])[0]
+        assert "".join(t.convert_ids_to_tokens(ids)) == "".join(sp.encode(text, out_type=str)), text
+        assert t.decode(ids) == text, text
+        spans = T.token_byte_spans(t, text, add_special_tokens=False).validate()
+        assert spans.ids.tolist() == ids
+        content = spans.end > spans.start
+        starts, ends = spans.start[content], spans.end[content]
+        assert starts[0] == 0 and ends[-1] == len(text.encode()) and (starts[1:] == ends[:-1]).all(), text
+        assert spans.exact.all(), text
+        assert T.token_byte_spans(t, text, add_special_tokens=False, path="generic") == spans, text
