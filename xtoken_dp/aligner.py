@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
+from .core import offsets_of
 from .schema import AlignmentBatch, compact_jagged, is_jagged, make_jagged
-from .tokenizers import (ROLES, TokenSpans, _SpanList, _light_witness, _new_spans, _span_columns,
-                                  batch_token_byte_spans, describe_tokenizer, piece_bytes_table, special_token_roles,
+from .tokenizers import (ROLES, TokenSpans, SpanList, light_witness, new_spans, span_columns,
+                                  batch_token_byte_spans, check_fast_tokenizer, describe_tokenizer, piece_bytes_table, special_token_roles,
                                   token_byte_spans, tokenizer_fingerprint)
 
 # %% auto #0
@@ -139,15 +140,10 @@ def _concat(arrays, dtype):
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
-def _offsets_of(lengths: np.ndarray) -> np.ndarray:
-    "Row offsets `[0, l0, l0+l1, …]` of rows with the given lengths."
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 def _side(spans: Sequence[TokenSpans], base: np.ndarray) -> _Side:
-    cols = _span_columns(spans)
+    cols = span_columns(spans)
     counts = np.diff(cols.offsets)
     shift = np.repeat(base[:-1], counts)
     return _Side(cols.offsets, counts, cols.start + shift, cols.end + shift, cols.exact, cols.role, cols.role == 0)
@@ -561,7 +557,7 @@ def _tiled_side(spans: Sequence[TokenSpans], # one side's kept spans per sample
                 L_total: int, # L.sum()
                ) -> _TiledSide | None:
     "The side's arrays when its non-empty content spans tile `[0, L)` of every sample and specials only lead or trail; else None."
-    cols = _span_columns(spans)
+    cols = span_columns(spans)
     offsets, start, role = cols.offsets, cols.start, cols.role
     counts = np.diff(offsets)
     length = cols.end - start
@@ -652,7 +648,7 @@ def _align_tiled(students: Sequence[TokenSpans], # kept student spans per sample
     if S is None: return None
     T = _tiled_side(teachers, L, L_total)
     if T is None: return None
-    base = _offsets_of(L + 1)  # as in the general route: one separator byte between samples
+    base = offsets_of(L + 1)  # as in the general route: one separator byte between samples
     last = base[:-1] + L
     content_byte, content_end, s_ord, t_ord = _tiled_content_chunks(_global_starts(S, base), _global_starts(T, base),
                                                                     base, last)
@@ -851,9 +847,9 @@ def _stats_of_flat(flat: _Flat, nbytes: np.ndarray, kept: np.ndarray, truncated:
 def _flat_of_samples(samples: Sequence[SampleAlignment]) -> _Flat:
     "Concatenate per-sample alignments into the flat form (the inverse of `AlignmentResult.samples`)."
     cat = lambda name, dt: _concat([getattr(s, name) for s in samples], dt)
-    return _Flat(_offsets_of(np.array([len(s.student_chunk_id) for s in samples], np.int64)),
-                 _offsets_of(np.array([len(s.teacher_chunk_id) for s in samples], np.int64)),
-                 _offsets_of(np.array([s.num_chunks for s in samples], np.int64)),
+    return _Flat(offsets_of(np.array([len(s.student_chunk_id) for s in samples], np.int64)),
+                 offsets_of(np.array([len(s.teacher_chunk_id) for s in samples], np.int64)),
+                 offsets_of(np.array([s.num_chunks for s in samples], np.int64)),
                  cat("student_chunk_id", np.int64), cat("teacher_chunk_id", np.int64),
                  cat("student_exact_partition_mask", np.bool_), cat("teacher_exact_partition_mask", np.bool_),
                  cat("chunk_start", np.int64), cat("chunk_end", np.int64), cat("chunk_kind", np.int8),
@@ -1009,9 +1005,6 @@ class _TokFacts:
 _FACTS: dict[str, _TokFacts] = {}
 
 
-def _check_tokenizer(tok, name):
-    if not getattr(tok, "is_fast", False) or not hasattr(tok, "backend_tokenizer"):
-        raise TypeError(f"{name} must be a transformers fast tokenizer, got {type(tok).__name__}")
 
 
 def _tok_facts(tok) -> _TokFacts:
@@ -1077,8 +1070,8 @@ class TokenAligner:
                  keep_trailing_specials: bool = False, # on truncation keep trailing template specials (room reserved)
                  diff_budget: int = 400_000, # id path, different streams: Myers work units per row before giving up a region
                 ):
-        _check_tokenizer(student_tokenizer, "student_tokenizer")
-        _check_tokenizer(teacher_tokenizer, "teacher_tokenizer")
+        check_fast_tokenizer(student_tokenizer, "student_tokenizer")
+        check_fast_tokenizer(teacher_tokenizer, "teacher_tokenizer")
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
         self.projection_matrix_path, self.max_comb_len = projection_matrix_path, max_comb_len
         self.role_equivalence = role_equivalence
@@ -1207,7 +1200,7 @@ def _layout(sp: TokenSpans, template_lead: int | None):
 def _slice_spans(sp: TokenSpans, stop: int, L: int, trailing: np.ndarray | None = None) -> TokenSpans:
     "The prefix `[:stop]` of `sp` (plus the `trailing` token indices re-anchored at L), with nbytes = L."
     if trailing is None or len(trailing) == 0:
-        return _new_spans(sp.ids[:stop], sp.start[:stop], sp.end[:stop], sp.exact[:stop], sp.role[:stop], sp.run[:stop], L)
+        return new_spans(sp.ids[:stop], sp.start[:stop], sp.end[:stop], sp.exact[:stop], sp.role[:stop], sp.run[:stop], L)
     take = np.r_[np.arange(stop), trailing]
     anchor = np.r_[sp.start[:stop], np.full(len(trailing), L, np.int64)]
     return TokenSpans(sp.ids[take], anchor, np.r_[sp.end[:stop], np.full(len(trailing), L, np.int64)],
@@ -1300,7 +1293,7 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
     for side, c in zip(sides, ctx_lengths):
         if c is not None: fits &= np.fromiter((len(sp.ids) for sp in side), np.int64, B) <= c
     if fits.all():   # nothing to cut: each side goes on as a new list of the same spans, with its columns if it has them
-        return BatchTruncation(tuple(_SpanList(side, _span_columns(side)) if isinstance(side, _SpanList) else list(side)
+        return BatchTruncation(tuple(SpanList(side, span_columns(side)) if isinstance(side, SpanList) else list(side)
                                      for side in sides), nbytes, nbytes.copy(), np.zeros((B, len(sides)), bool))
     out = [list(side) for side in sides]
     kept = nbytes.copy()
@@ -1317,8 +1310,8 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
 def template_specials(tok # a transformers fast tokenizer
                      ) -> tuple[int, int]:
     "How many specials the tokenizer's template puts in front of and behind one sequence (cached by fingerprint)."
-    _check_tokenizer(tok, "tok")
-    w = _light_witness(tok)   # the template lives in the post-processor, which the light witness reads (10 µs, not 130)
+    check_fast_tokenizer(tok, "tok")
+    w = light_witness(tok)   # the template lives in the post-processor, which the light witness reads (10 µs, not 130)
     memo = tok.__dict__.get("_xtoken_dp_template")
     if memo is not None and memo[0] == w: return memo[1]
     f = _tok_facts(tok)
@@ -1483,7 +1476,7 @@ def _rebuild_streams(f: _TokFacts, ids: np.ndarray, lengths: np.ndarray, name: s
     if n and (ids.min() < 0 or ids.max() >= len(f.codes)):
         bad = int(ids[(ids < 0) | (ids >= len(f.codes))][0])
         raise ValueError(f"{name} holds id {bad} at a real position, outside the tokenizer's ids [0, {len(f.codes)})")
-    tok_offsets = _offsets_of(lengths)
+    tok_offsets = offsets_of(lengths)
     row = np.repeat(np.arange(B, dtype=np.int64), lengths)
     role = f.codes[ids]
     unk = role == f.unk_code

@@ -26,11 +26,11 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass, tensorclass
 
-from .schema import (DEFAULT_GROUP, AlignmentBatch, FieldSpec, Schema, SchemaError, _as_words,
-                              _dtype_from_name, _dtype_name, _same_offsets, compact_jagged, is_jagged, jagged_lengths,
+from .schema import (DEFAULT_GROUP, AlignmentBatch, FieldSpec, Schema, SchemaError, as_words,
+                              dtype_from_name, dtype_name, same_offsets, compact_jagged, is_jagged, jagged_lengths,
                               lengths_to_offsets, make_jagged, scatter_many, segment_positions)
 from .codec import (WIRE_FORMAT, WIRE_VERSION, LengthsError, PaddingError, StrippedPayloadError, WireBatch,
-                             WireFormatError, _object_column, _object_stack, decode, encode, materialize,
+                             WireFormatError, object_column, object_stack, decode, encode, materialize,
                              pack_jagged_fields)
 
 # %% auto #0
@@ -131,7 +131,7 @@ def ragged_index(offsets: torch.Tensor, # int64 `[N+1]` offsets of a group
     if not isinstance(index, torch.Tensor): raise TypeError(f"index must be a tensor, got {type(index).__name__}")
     if index.dtype == torch.bool: return _ragged_mask(offsets, index)[:2]
     if index.is_floating_point() or index.is_complex():
-        raise TypeError(f"index must hold integers or bools, got dtype {_dtype_name(index.dtype)}")
+        raise TypeError(f"index must hold integers or bools, got dtype {dtype_name(index.dtype)}")
     if index.dim() != 1: raise IndexError(f"index must be 1-D, got shape {tuple(index.shape)}")
     return _ragged_index(offsets, index)[:2]
 
@@ -235,11 +235,11 @@ def _group_rep(key, offsets, reps: dict, schema: Schema | None, trusted: bool) -
     if schema is not None:
         group = schema[key].group
         rep = reps.setdefault(group, offsets)
-        if rep is not offsets and not _same_offsets(rep, offsets):
+        if rep is not offsets and not same_offsets(rep, offsets):
             raise LengthsError(f"token field {key!r} of group {group!r} has rows different from the group's other fields")
         return rep
     rep = next((r for r in reps.values() if r is offsets), None)
-    if rep is None and not trusted: rep = next((r for r in reps.values() if _same_offsets(r, offsets)), None)
+    if rep is None and not trusted: rep = next((r for r in reps.values() if same_offsets(r, offsets)), None)
     if rep is None: rep = reps[len(reps)] = offsets
     return rep
 
@@ -311,7 +311,7 @@ def _check_kinds(schema: Schema | None, batch: TensorDictBase | None):
         if kind != spec.kind and not (spec.kind == "rect" and kind == "sample"):
             raise SchemaError(f"field {key!r} is declared {spec.kind} but holds a {kind} leaf {tuple(leaf.shape)}")
         if spec.dtype is not None and _dtype_of(leaf) != spec.dtype:
-            raise TypeError(f"field {key!r} has dtype {_dtype_name(_dtype_of(leaf))}, declared {_dtype_name(spec.dtype)}")
+            raise TypeError(f"field {key!r} has dtype {dtype_name(_dtype_of(leaf))}, declared {dtype_name(spec.dtype)}")
 
 # %% ../nbs/02_batch.ipynb #4fd76eec
 @dataclass(eq=False)
@@ -409,7 +409,7 @@ def validate(self: DataProto, deep: bool = True # also read every group's offset
     for g in self._groups():
         off, n = g.offsets, len(self)
         if off.dtype != torch.int64 or off.shape != (n + 1,):
-            raise LengthsError(f"group {g.name!r}: offsets must be int64 [{n + 1}], got {_dtype_name(off.dtype)} "
+            raise LengthsError(f"group {g.name!r}: offsets must be int64 [{n + 1}], got {dtype_name(off.dtype)} "
                                f"{list(off.shape)}")
         lengths = off.diff()
         if int(off[0]) != 0 or (n and bool((lengths < 0).any())):
@@ -454,7 +454,7 @@ def _gather_rows(item, n: int) -> torch.Tensor:
             raise IndexError(f"a bool mask must have shape ({n},), got {tuple(index.shape)}")
         return index.nonzero().squeeze(1)
     if index.is_floating_point() or index.is_complex():
-        raise TypeError(f"an index tensor must hold integers or bools, got dtype {_dtype_name(index.dtype)}")
+        raise TypeError(f"an index tensor must hold integers or bools, got dtype {dtype_name(index.dtype)}")
     if index.dim() != 1: raise IndexError(f"an index must be 1-D, got shape {tuple(index.shape)}")
     index = index.to(torch.int64)
     if index.numel() == 0: return index
@@ -513,9 +513,9 @@ def _parts(self: DataProto, bounds: Sequence[int]) -> list[DataProto]:
 
 
 def _take(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    "`values.index_select(0, positions)`, moving each row as machine words (`schema._as_words`) when no gradient flows."
-    if values.requires_grad or values.numel() == 0: return values.index_select(0, positions)  # _as_words needs data
-    picked = _as_words(values).index_select(0, positions)
+    "`values.index_select(0, positions)`, moving each row as machine words (`schema.as_words`) when no gradient flows."
+    if values.requires_grad or values.numel() == 0: return values.index_select(0, positions)  # as_words needs data
+    picked = as_words(values).index_select(0, positions)
     return picked.view(values.dtype).reshape(positions.shape[0], *values.shape[1:])
 
 
@@ -679,11 +679,11 @@ def _union_groups(self: DataProto, other: DataProto) -> dict[str, tuple[str, tor
     taken, out = set(mine), {}
     for g in other._groups():
         if declared and g.name in mine:
-            if not _same_offsets(mine[g.name].offsets, g.offsets):
+            if not same_offsets(mine[g.name].offsets, g.offsets):
                 raise ValueError(f"union: group {g.name!r} has different rows in the two batches (fields {g.keys})")
             target = (g.name, mine[g.name].offsets)
         else:
-            match = None if declared else next((m for m in mine.values() if _same_offsets(m.offsets, g.offsets)), None)
+            match = None if declared else next((m for m in mine.values() if same_offsets(m.offsets, g.offsets)), None)
             if match is not None: target = (match.name, match.offsets)
             else:
                 name = g.name if g.name not in taken else next(f"g{i}" for i in range(len(taken) + 1) if f"g{i}" not in taken)
@@ -783,7 +783,7 @@ def _check_same_leaves(first: DataProto, part: DataProto, i: int):
             raise ValueError(f"concat: field {key!r} is {'jagged' if _is_njt(a) else 'dense'} in part 0 but not in part {i}")
         if _is_njt(a): a, b = _vals(a), _vals(b)
         if a.dtype != b.dtype:
-            raise TypeError(f"concat: field {key!r} has dtype {_dtype_name(b.dtype)} in part {i}, {_dtype_name(a.dtype)} in part 0")
+            raise TypeError(f"concat: field {key!r} has dtype {dtype_name(b.dtype)} in part {i}, {dtype_name(a.dtype)} in part 0")
         if a.shape[1:] != b.shape[1:]:
             raise ValueError(f"concat: field {key!r} has trailing shape {tuple(b.shape[1:])} in part {i}, "
                              f"{tuple(a.shape[1:])} in part 0")
@@ -991,7 +991,7 @@ def to_wire(self: DataProto) -> TensorDict:
     "The codec's wire batch: the batch's tensors (not copied) plus each numpy column as a `NonTensorStack`."
     n = len(self)
     leaves = dict(self.batch.items()) if self.batch is not None else {}
-    for key, column in self.non_tensor_batch.items(): leaves[key] = _object_stack(list(column), n)
+    for key, column in self.non_tensor_batch.items(): leaves[key] = object_stack(list(column), n)
     return _new_td(leaves, n, self.batch)
 
 
@@ -1006,7 +1006,7 @@ def from_wire(cls: DataProto, td: TensorDictBase, # a wire batch (codec.md §5)
     n, leaves, columns = td.batch_size[0], {}, {}
     for key in td.keys():
         leaf = td.get(key)
-        if isinstance(leaf, (NonTensorData, NonTensorStack)): columns[key] = _object_column(key, leaf, n, "raise")
+        if isinstance(leaf, (NonTensorData, NonTensorStack)): columns[key] = object_column(key, leaf, n, "raise")
         else: leaves[key] = leaf
     batch = None if not leaves and (columns or n == 0) else _new_td(leaves, n, td)
     return cls(batch, columns, {} if meta_info is None else meta_info, schema=schema)
@@ -1168,7 +1168,7 @@ def _meta_columns(manifest: dict) -> TensorDict:
     groups = {g["name"]: (torch.empty(n + 1, dtype=torch.int64, device="meta"), g) for g in manifest["groups"]}
     leaves = {}
     for f in manifest["fields"]:
-        empty = torch.empty(f["shape"], dtype=_dtype_from_name(f["dtype"], f["key"]), device="meta")
+        empty = torch.empty(f["shape"], dtype=dtype_from_name(f["dtype"], f["key"]), device="meta")
         if f["kind"] != "token": leaves[f["key"]] = empty; continue
         offsets, g = groups[f["group"]]
         leaves[f["key"]] = make_jagged(empty, offsets, min_seqlen=g["min_seqlen"], max_seqlen=g["max_seqlen"])
@@ -1493,8 +1493,8 @@ def _check_out(out, loaded):
     for key, t in theirs.items():
         m = mine[key]
         if _is_njt(m) != _is_njt(t) or _dtype_of(m) != _dtype_of(t) or _trailing(m) != _trailing(t):
-            raise ValueError(f"out field {key!r} is {_dtype_name(_dtype_of(m))} with trailing dims {_trailing(m)}, the "
-                             f"directory's is {_dtype_name(_dtype_of(t))} with {_trailing(t)}")
+            raise ValueError(f"out field {key!r} is {dtype_name(_dtype_of(m))} with trailing dims {_trailing(m)}, the "
+                             f"directory's is {dtype_name(_dtype_of(t))} with {_trailing(t)}")
 
 
 def _tc_load_memmap(cls, prefix, device=None, non_blocking: bool = False, *, out=None, **kwargs):
@@ -1595,7 +1595,7 @@ class RewardData:
         "Also compare the jagged fields' offsets values (O(N)); returns self or raises `ValueError`."
         for name in ("attention_mask", "rewards"):
             leaf = getattr(self, name)
-            if leaf is not None and _is_njt(leaf) and not _same_offsets(leaf.offsets(), self.input_ids.offsets()):
+            if leaf is not None and _is_njt(leaf) and not same_offsets(leaf.offsets(), self.input_ids.offsets()):
                 raise ValueError(f"{name} has rows different from input_ids")
         return self
 
@@ -1606,7 +1606,7 @@ class RewardData:
 # %% ../nbs/02_batch.ipynb #0f320bda
 def _check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype):
     if _dtype_of(t) not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(_dtype_name(d) for d in dtypes)}, got {_dtype_name(_dtype_of(t))}")
+        raise TypeError(f"{name} must be {' or '.join(dtype_name(d) for d in dtypes)}, got {dtype_name(_dtype_of(t))}")
 
 
 def _check_token_seq(ts):
@@ -1881,7 +1881,7 @@ def to_data_proto(self: DistillBatch) -> DataProto:
 
 
 def _validate_tokens(name: str, ts: TokenSeq):
-    if not _same_offsets(ts.token_mask.offsets(), ts.offsets): raise ValueError(f"{name}.token_mask has other rows than its ids")
+    if not same_offsets(ts.token_mask.offsets(), ts.offsets): raise ValueError(f"{name}.token_mask has other rows than its ids")
     if not torch.equal(ts.input_lengths.to(ts.offsets.device), ts.offsets.diff()):
         raise ValueError(f"{name}.input_lengths {ts.input_lengths.tolist()[:8]} differ from the rows' lengths "
                          f"{ts.offsets.diff().tolist()[:8]}")
@@ -1903,11 +1903,11 @@ def validate(self: DistillBatch) -> DistillBatch:
         if a.layout != "jagged": raise ValueError(f"teacher {i}: the alignment must be jagged")
         for side, ref in (("student", self.student.offsets), ("teacher", t.tokens.offsets)):
             for name in AlignmentBatch.axis_fields(side):
-                if not _same_offsets(getattr(a, name).offsets(), ref):
+                if not same_offsets(getattr(a, name).offsets(), ref):
                     raise ValueError(f"teacher {i}: alignment.{name} does not have the {side}'s rows")
         a.validate()
         for name in ("topk_ids", "topk_logprobs"):
             value = getattr(t, name)
-            if value is not None and not _same_offsets(value.offsets(), t.tokens.offsets):
+            if value is not None and not same_offsets(value.offsets(), t.tokens.offsets):
                 raise ValueError(f"teacher {i}: {name} does not have the teacher's rows")
     return self

@@ -21,7 +21,7 @@ import torch
 
 from .aligner import TokenAligner, template_specials, truncate_batch
 from .bench import Timing, bench_parser, configure, env_header, env_info, print_table, time_many, write_json
-from .tokenizers import (_ids_array, available_tokenizers, batch_token_byte_spans, load_tokenizer,
+from .tokenizers import (ids_array, available_tokenizers, batch_token_byte_spans, load_tokenizer,
                                   stdlib_source_files, train_toy_tokenizer)
 
 # %% auto #0
@@ -166,7 +166,7 @@ def timed_parts(pair: Pair, texts: list[str], encodings: tuple[list, list], repe
         "align": lambda: pair.aligner.align_spans_batch(cut.spans[0], cut.spans[1], texts=texts, nbytes=cut.nbytes,
                                                         truncated=cut.truncated),
         "pack": lambda: (res.to_padded(*pair.ctx), res.to_jagged()),
-        "ids": lambda: [_ids_array(side) for side in encodings],   # exactly the read span recovery does
+        "ids": lambda: [ids_array(side) for side in encodings],   # exactly the read span recovery does
         "lists": lambda: [len(e.ids) for side in encodings for e in side],   # the binding's lists, each dropped at once
     }, repeats=repeats)
 

@@ -11,7 +11,7 @@ import argparse, json, os, subprocess, sys, time
 import numpy as np
 import torch
 from .bench import bench_parser, env_header, env_info, print_table, repeats_of, write_json
-from .projection import (_Phases, _specials_and_exact, accumulate_triplets, as_piece_vocabulary,
+from .projection import (PhaseTimer, specials_and_exact, accumulate_triplets, as_piece_vocabulary,
                                   build_projection, geometric_weights, peak_rss_bytes, reencode)
 
 # %% auto #0
@@ -39,12 +39,12 @@ def dense_baseline_rows(
     top_k:int=4, max_pieces:int=4, decay:float=0.1, reverse_weight:float=1.0,
 ) -> dict:
     "Time the dense-intermediate route on the first `rows` student ids: phase seconds, dense bytes, top-k arrays."
-    phases = _Phases()
+    phases = PhaseTimer()
     with phases("vocabularies"): S, T = as_piece_vocabulary(student), as_piece_vocabulary(teacher)
     rows = min(rows, len(S))
     weights = geometric_weights(max_pieces, decay)
     with phases("forward"):
-        fixed, exact_rows, _, _ = _specials_and_exact(S, T, pair_specials=True, exact=True)
+        fixed, exact_rows, _, _ = specials_and_exact(S, T, pair_specials=True, exact=True)
         closed = exact_rows | S.special
         forward_ids = np.flatnonzero(~closed[:rows] & (S.lengths[:rows] > 0))
         fwd = reencode(S, forward_ids, T, max_pieces=max_pieces)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os, threading
 from typing import NamedTuple
 import torch
-from .projection import (_exact_token_map_parts, _refuse_empty_exact_map, check_vocab_size,
+from .projection import (exact_token_map_parts, refuse_empty_exact_map, check_vocab_size,
                                   load_dense_projection, parse_projection_file, sparse_projection_from_coo)
 
 # %% auto #0
@@ -131,10 +131,10 @@ def build_exact_token_map(
     params = (xtoken_loss, teacher_vocab_size, student_vocab_size, float(exact_tolerance), float(relaxed_threshold))
     def fill(realpath, device):
         topk = _topk_entry(path, device)
-        return _exact_token_map_parts(*topk.value, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
+        return exact_token_map_parts(*topk.value, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
                                       student_vocab_size=student_vocab_size, exact_tolerance=exact_tolerance,
                                       relaxed_threshold=relaxed_threshold, source=realpath,
                                       exact_student_ids=None if xtoken_loss else topk.extra)
     entry = _cached(_EXACT_TOKEN_MAP_CACHE, path, device, params, fill)
-    _refuse_empty_exact_map(entry.extra, allow_empty)
+    refuse_empty_exact_map(entry.extra, allow_empty)
     return entry.value

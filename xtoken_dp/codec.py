@@ -23,17 +23,18 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from .schema import (DEFAULT_GROUP, FieldSpec, Layout, Schema, SchemaError, _dtype_from_name, _dtype_name,
-                              _leaf_kind, _same_offsets, as_lengths, check_lengths, compact_jagged, gather_many,
+from .schema import (DEFAULT_GROUP, FieldSpec, Layout, Schema, SchemaError, dtype_from_name, dtype_name,
+                              leaf_kind, same_offsets, as_lengths, check_lengths, compact_jagged, gather_many,
                               infer_schema, is_jagged, jagged_lengths, lengths_to_offsets, make_jagged, representable,
                               scatter_many, segment_positions)
 
 # %% auto #0
 __all__ = ['WIRE_FORMAT', 'WIRE_VERSION', 'LengthsError', 'PaddingError', 'StrippedPayloadError', 'WireFormatError',
            'to_nested_by_length', 'stack_or_nest', 'unwrap_wire_stripped_payload', 'maybe_pack_jagged',
-           'pack_per_token_field', 'object_array', 'pack_jagged_fields', 'response_from_nested', 'materialize',
-           'cu_seqlens', 'encode', 'decode', 'WireBatch', 'wire_nbytes', 'long_tail_lengths', 'synthetic_rl_batch',
-           'padding_tax_report', 'format_padding_tax', 'padding_tax_main', 'SchemaError']
+           'pack_per_token_field', 'object_array', 'object_stack', 'pack_jagged_fields', 'response_from_nested',
+           'object_column', 'materialize', 'cu_seqlens', 'encode', 'decode', 'WireBatch', 'wire_nbytes',
+           'long_tail_lengths', 'synthetic_rl_batch', 'padding_tax_report', 'format_padding_tax', 'padding_tax_main',
+           'SchemaError']
 
 # %% ../nbs/01_codec.ipynb #0c8cdfae
 _all_ = ["SchemaError"]  # re-exported: every codec error is importable from here
@@ -136,7 +137,7 @@ def _check_rows(tensors, dtype) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         want = dtype or first.dtype
         if t.dtype != want:
-            raise TypeError(f"tensors[{i}] has dtype {_dtype_name(t.dtype)}, expected {_dtype_name(want)} "
+            raise TypeError(f"tensors[{i}] has dtype {dtype_name(t.dtype)}, expected {dtype_name(want)} "
                             f"({'the dtype argument' if dtype else 'that of tensors[0]'})")
         if t.device != first.device:
             raise ValueError(f"tensors[{i}] is on {t.device}, expected {first.device} (that of tensors[0])")
@@ -242,7 +243,7 @@ def _nontensordata_items(leaf: NonTensorData, n: int) -> list:
     return [payload] * n
 
 
-def _object_stack(items: list, n: int) -> NonTensorStack:
+def object_stack(items: list, n: int) -> NonTensorStack:
     "A `NonTensorStack` whose row i is `items[i]` (stored by reference)."
     if n == 0: return NonTensorStack(batch_size=[0])
     return NonTensorStack(*(NonTensorData(item) for item in items))
@@ -254,11 +255,11 @@ def _pack_object(name: str, value, n: int) -> NonTensorStack:
         if value.batch_size[:1] != torch.Size([n]):
             raise ValueError(f"field {name!r} must hold N={n} items, got batch_size {list(value.batch_size)}")
         return value
-    if isinstance(value, NonTensorData): return _object_stack(_nontensordata_items(value, n), n)
+    if isinstance(value, NonTensorData): return object_stack(_nontensordata_items(value, n), n)
     if isinstance(value, np.ndarray) and value.dtype == object:
         if value.ndim != 1 or value.shape[0] != n:
             raise ValueError(f"object field {name!r} must be a 1-D array of N={n} items, got shape {value.shape}")
-        return _object_stack(list(value), n)
+        return object_stack(list(value), n)
     raise TypeError(f"object field {name!r} must be a 1-D np.ndarray(dtype=object) (see object_array), a "
                     f"NonTensorStack or NonTensorData, got {type(value).__name__}")
 
@@ -323,7 +324,7 @@ class _Group:
                               f"and no lengths were given for that group")
         njt = _compact_input(value, field)
         if self.offsets is None: self.offsets = njt.offsets()
-        elif not _same_offsets(self.offsets, njt.offsets()):
+        elif not same_offsets(self.offsets, njt.offsets()):
             raise LengthsError(f"field {field!r}: its rows differ from those of the other fields of group {self.name!r}")
         return make_jagged(njt.values(), self.offsets)
 
@@ -338,7 +339,7 @@ def _group_for(value, name, spec, groups: dict[str, _Group]) -> _Group:
     elif DEFAULT_GROUP in groups and groups[DEFAULT_GROUP].rows is not None: key = DEFAULT_GROUP
     else:  # no schema, no lengths: NJTs with equal offsets form one group
         njt = _compact_input(value, name)
-        key = next((k for k, g in groups.items() if g.offsets is not None and _same_offsets(g.offsets, njt.offsets())),
+        key = next((k for k, g in groups.items() if g.offsets is not None and same_offsets(g.offsets, njt.offsets())),
                    f"g{len(groups)}")
     return groups.setdefault(key, _Group(key))
 
@@ -368,7 +369,7 @@ def _check_column(name, value, kind, spec, n):
     rows_of = value.shape[0] if value.dim() else None
     if rows_of != n: raise ValueError(f"field {name!r} has leading dim {rows_of}, expected N={n}")
     if spec is not None and spec.dtype is not None and value.dtype != spec.dtype:
-        raise TypeError(f"field {name!r} has dtype {_dtype_name(value.dtype)}, declared {_dtype_name(spec.dtype)} "
+        raise TypeError(f"field {name!r} has dtype {dtype_name(value.dtype)}, declared {dtype_name(spec.dtype)} "
                         f"(no silent cast)")
     if spec is not None and spec.kind == "token" and spec.trailing_shape is not None and \
             tuple(value.shape[2:]) != spec.trailing_shape:
@@ -477,7 +478,7 @@ def _pad_for(key: str, dtype: torch.dtype, pad_value_dict, schema: Schema | None
     elif schema is not None and key in schema and schema[key].pad_value is not None: pad = schema[key].pad_value
     else: return False if dtype == torch.bool else 0
     if not representable(pad, dtype):
-        raise PaddingError(f"field {key!r}: pad value {pad!r} is not exactly representable in dtype {_dtype_name(dtype)}")
+        raise PaddingError(f"field {key!r}: pad value {pad!r} is not exactly representable in dtype {dtype_name(dtype)}")
     return pad.item() if hasattr(pad, "item") else pad
 
 
@@ -496,7 +497,7 @@ def _object_items(key: str, leaf, n: int) -> list:
     raise TypeError(f"field {key!r} has an unsupported leaf type {type(leaf).__name__}")
 
 
-def _object_column(key: str, leaf, n: int, on_stripped: str) -> np.ndarray:
+def object_column(key: str, leaf, n: int, on_stripped: str) -> np.ndarray:
     "An object leaf as a 1-D `(N,)` object array, filled element by element."
     items = _object_items(key, leaf, n)
     stripped = sum(1 for x in items if x is _STRIPPED)
@@ -520,8 +521,8 @@ def _out_buffer(key, out, shape, values):
     buf = out[key]
     if tuple(buf.shape) != tuple(shape) or buf.dtype != values.dtype or buf.device != values.device \
             or not buf.is_contiguous():
-        raise ValueError(f"out[{key!r}] must be a contiguous {_dtype_name(values.dtype)} {tuple(shape)} tensor on "
-                         f"{values.device}, got {_dtype_name(buf.dtype)} {tuple(buf.shape)} on {buf.device}")
+        raise ValueError(f"out[{key!r}] must be a contiguous {dtype_name(values.dtype)} {tuple(shape)} tensor on "
+                         f"{values.device}, got {dtype_name(buf.dtype)} {tuple(buf.shape)} on {buf.device}")
     return buf
 
 
@@ -593,7 +594,7 @@ def materialize(td: TensorDictBase, # a wire batch
             result[key] = _token_leaf(key, leaf, layout, pad_to_seqlen, plans, queue, pad_value_dict, schema, out)
         elif isinstance(leaf, torch.Tensor) and not leaf.is_nested: result[key] = leaf
         elif isinstance(leaf, torch.Tensor): raise TypeError(f"field {key!r}: nested tensors must use torch.jagged")
-        else: result[key] = _object_column(key, leaf, n, on_stripped)
+        else: result[key] = object_column(key, leaf, n, on_stripped)
     result.update(_pad_queued(queue, plans, pad_to_seqlen))  # fills the placeholders in place: key order is kept
     return result
 
@@ -610,7 +611,7 @@ def cu_seqlens(td: TensorDictBase, # a wire batch
     if not is_jagged(leaf): raise TypeError(f"field {groups[group][0]!r} of group {group!r} is not jagged")
     plan = _PadPlan(leaf)
     if dtype.is_floating_point or dtype == torch.bool or plan.total > torch.iinfo(dtype).max:
-        raise ValueError(f"dtype {_dtype_name(dtype)} cannot hold offsets up to {plan.total}")
+        raise ValueError(f"dtype {dtype_name(dtype)} cannot hold offsets up to {plan.total}")
     return plan.offsets.to(dtype), plan.longest
 
 # %% ../nbs/01_codec.ipynb #52c0d95a
@@ -635,7 +636,7 @@ def _encode_group(name: str, leaves: list, buffers: list) -> tuple[dict, list[to
     values = []
     for key, leaf in leaves:
         if leaf._ragged_idx != 1: raise ValueError(f"field {key!r}: the ragged dim must be dim 1, got {leaf._ragged_idx}")
-        if leaf.offsets() is not leaves[0][1].offsets() and not _same_offsets(_PadPlan(leaf).offsets, plan.offsets):
+        if leaf.offsets() is not leaves[0][1].offsets() and not same_offsets(_PadPlan(leaf).offsets, plan.offsets):
             raise LengthsError(f"field {key!r} has rows different from {leaves[0][0]!r} of group {name!r}")
         values.append((plan if leaf.offsets() is leaves[0][1].offsets() else _PadPlan(leaf)).rows(leaf)[0])
     entry = {"name": name, "offsets": len(buffers), "min_seqlen": plan.shortest, "max_seqlen": plan.longest,
@@ -662,12 +663,12 @@ def _check_encode_schema(td, schema: Schema) -> Schema:
     missing = [k for k in schema.names if k not in keys]
     if missing: raise SchemaError(f"declared fields {missing} are missing from the batch")
     for spec in schema:
-        kind = _leaf_kind(spec.name, td.get(spec.name))
+        kind = leaf_kind(spec.name, td.get(spec.name))
         if kind != spec.kind and not (spec.kind == "rect" and kind == "sample"):
             raise SchemaError(f"field {spec.name!r} is declared {spec.kind} but holds a {kind} leaf")
         leaf = td.get(spec.name)
         if spec.dtype is not None and kind != "object" and leaf.dtype != spec.dtype:
-            raise SchemaError(f"field {spec.name!r} has dtype {_dtype_name(leaf.dtype)}, declared {_dtype_name(spec.dtype)}")
+            raise SchemaError(f"field {spec.name!r} has dtype {dtype_name(leaf.dtype)}, declared {dtype_name(spec.dtype)}")
     return schema
 
 # %% ../nbs/01_codec.ipynb #0a5db381
@@ -689,7 +690,7 @@ def encode(td: TensorDictBase, # a wire batch
         entry = {"name": spec.name, "kind": spec.kind, "buffer": len(buffers), "group": spec.group}
         if spec.kind == "object": buffers.append(_encode_objects(spec.name, leaf, n)); fields.append(entry); continue
         data = values[spec.name] if spec.kind == "token" else leaf
-        entry.update(dtype=_dtype_name(data.dtype), shape=list(data.shape[1:]))
+        entry.update(dtype=dtype_name(data.dtype), shape=list(data.shape[1:]))
         buffers.append(_byte_view(data)); fields.append(entry)
     header = {"format": WIRE_FORMAT, "version": WIRE_VERSION, "byteorder": "little", "n": n,
               "schema": schema.to_dict(), "groups": groups, "fields": fields}
@@ -753,8 +754,8 @@ def _decode_field(entry: dict, arrays: list, n: int, groups: dict, device, allow
         if not allow_pickle: _wire_fail(f"field {name!r} is a pickled object column and allow_pickle=False")
         items = pickle.loads(raw)
         if not isinstance(items, list) or len(items) != n: _wire_fail(f"object field {name!r} must unpickle to {n} items")
-        return _object_stack(items, n)
-    try: dtype, shape = _dtype_from_name(entry["dtype"], name), tuple(entry["shape"])
+        return object_stack(items, n)
+    try: dtype, shape = dtype_from_name(entry["dtype"], name), tuple(entry["shape"])
     except (KeyError, TypeError, SchemaError) as e: _wire_fail(f"field {name!r}: bad dtype/shape ({e})")
     if kind == "token":
         if entry.get("group") not in groups: _wire_fail(f"field {name!r} names unknown group {entry.get('group')!r}")

@@ -23,8 +23,10 @@ from .aligner import (AlignmentResult, AlignmentStats, TokenAligner, template_sp
                                truncate_spans)
 from .codec import materialize as codec_materialize
 from .codec import object_array, pack_jagged_fields
+from .core import offsets_of
 from .schema import AlignmentBatch, FieldSpec, Schema, make_jagged
-from .tokenizers import (ROLES, TokenSpans, _span_columns, batch_token_byte_spans, char_to_byte_offsets,
+from .tokenizers import (ROLES, TokenSpans, span_columns, batch_token_byte_spans, char_to_byte_offsets,
+                                  check_fast_tokenizer,
                                   special_token_roles, tokenizer_fingerprint)
 
 # %% auto #0
@@ -90,15 +92,8 @@ def _check_positive_int(name: str, value, least: int = 1):
     if value < least: raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
-def _check_fast(tok, name: str):
-    if not getattr(tok, "is_fast", False) or not hasattr(tok, "backend_tokenizer"):
-        raise TypeError(f"{name} must be a transformers fast tokenizer, got {type(tok).__name__}")
 
 
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 def _pad_rows(values: np.ndarray, # the rows laid end to end
@@ -110,7 +105,7 @@ def _pad_rows(values: np.ndarray, # the rows laid end to end
     B = len(lengths)
     out = np.full(B * width, fill, values.dtype)
     if len(values):
-        pos = np.repeat(np.arange(B, dtype=np.int64) * width - _offsets(lengths)[:-1], lengths)
+        pos = np.repeat(np.arange(B, dtype=np.int64) * width - offsets_of(lengths)[:-1], lengths)
         pos += np.arange(len(pos))
         out[pos] = values
     return out.reshape(B, width)
@@ -131,7 +126,7 @@ def tokenize_padded(texts: Sequence[str], # the texts
                     make_seq_div_by: int = 1, # the padded width is rounded up to a multiple of this
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     "The seed's `_tokenize_batch`: int64 ids and attention mask right-padded to `round_up(ctx_length, make_seq_div_by)`."
-    _check_fast(tokenizer, "tokenizer")
+    check_fast_tokenizer(tokenizer, "tokenizer")
     _check_positive_int("ctx_length", ctx_length)
     _check_positive_int("make_seq_div_by", make_seq_div_by)
     lead, trail = template_special_counts(tokenizer)
@@ -223,7 +218,7 @@ class CrossTokenizerCollator:
                  keep_text: bool = False, # jagged output: keep the texts as an object column `text`
                  emit_dropped_bytes: bool = False, # also emit `dropped_bytes` [N] (bytes cut by the common truncation)
                 ):
-        _check_fast(student_tokenizer, "student_tokenizer")
+        check_fast_tokenizer(student_tokenizer, "student_tokenizer")
         self.student_tokenizer = student_tokenizer
         teachers, aligner_list, ctxs, divs, self._single = _teacher_lists(
             teacher_tokenizer, aligner, ctx_length_teacher, make_seq_div_by_teacher, teacher_tokenizers, aligners,
@@ -315,7 +310,7 @@ def _check_sides(self: CrossTokenizerCollator):
     for i, (tok, al, ctx, div) in enumerate(zip(self.teacher_tokenizers, self.aligners, self.ctx_length_teachers,
                                                 self.make_seq_div_by_teachers)):
         label = _labels(self._single, i)
-        _check_fast(tok, label["tok"])
+        check_fast_tokenizer(tok, label["tok"])
         _check_positive_int(label["div"], div)
         fp_t = tokenizer_fingerprint(tok)
         if al is None:
@@ -457,7 +452,7 @@ class _Side:
 
     @classmethod
     def of(cls, spans: list, mask: np.ndarray | None = None):
-        cols = _span_columns(spans)   # untruncated fast-path spans already hold their ids end to end
+        cols = span_columns(spans)   # untruncated fast-path spans already hold their ids end to end
         return cls(cols.ids, np.diff(cols.offsets), mask)
 
     def mask_values(self) -> torch.Tensor:
@@ -509,12 +504,12 @@ _TEXT_SCHEMA = Schema([FieldSpec("text", "object")])
 def _pack_jagged(self: CrossTokenizerCollator, sides: list[_Side], alignments: list, sample_mask: np.ndarray,
                  idx: np.ndarray | None, dropped: np.ndarray, texts: list) -> TensorDict:
     "The wire TensorDict: the padded output's keys, token fields jagged in groups student / teacher_i / pairs_i."
-    s_off = torch.from_numpy(_offsets(sides[0].lengths))
+    s_off = torch.from_numpy(offsets_of(sides[0].lengths))
     cols = _jagged_side("", s_off, sides[0])
     cols["sample_mask"] = torch.from_numpy(sample_mask)
     if idx is not None: cols["idx"] = torch.from_numpy(idx)
     for j, i in enumerate(self._cross):
-        t_off = torch.from_numpy(_offsets(sides[1 + j].lengths))
+        t_off = torch.from_numpy(offsets_of(sides[1 + j].lengths))
         cols.update(_jagged_side(f"teacher_{i}_", t_off, sides[1 + j]))
         cols.update(alignments[i].to_jagged(student_offsets=s_off, teacher_offsets=t_off).as_flat(f"alignment_{i}_"))
     if self.emit_dropped_bytes: cols["dropped_bytes"] = torch.from_numpy(dropped)
@@ -787,7 +782,7 @@ class _ChatAlignment:
 
     def to_jagged(self, student_offsets: torch.Tensor, teacher_offsets: torch.Tensor) -> AlignmentBatch:
         t, nc = torch.from_numpy, self.num_chunks
-        p_off = torch.from_numpy(_offsets(nc))
+        p_off = torch.from_numpy(offsets_of(nc))
         def jag(values, offsets, lengths):
             lo, hi = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
             return make_jagged(t(values), offsets, min_seqlen=lo, max_seqlen=hi)

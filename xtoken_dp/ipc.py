@@ -6,7 +6,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/ipc.html.md"""
 
 # %% auto #0
 __all__ = ['CONTROL_FIELDS', 'CONTROL_MAGIC', 'STORAGES', 'DENSIFY_FLOOR', 'IPC_VERSION', 'DEFAULT_KEY', 'HANDLE_FIELDS',
-           'CONSISTENT_FIELDS', 'node_id', 'dtype_name', 'create_shared_tensor', 'open_shared_tensor', 'read_control',
+           'CONSISTENT_FIELDS', 'node_id', 'create_shared_tensor', 'open_shared_tensor', 'read_control',
            'storage_layout', 'layout_nbytes', 'bytes_per_position', 'TopKTeacherLogits', 'TeacherLogitsProducer',
            'StaleHandleError', 'check_handles_fresh', 'release_imported', 'imported_keys', 'imported_buffers',
            'rebuild_teacher_full_logits_from_ipc', 'remove_orphaned_shm', 'consumer_probe_worker',
@@ -28,6 +28,8 @@ import torch
 from fastcore.basics import patch
 from torch import Tensor
 
+from .core import dtype_name
+
 # %% ../nbs/09_ipc.ipynb #59d53122
 @lru_cache(maxsize=1)
 def node_id() -> str:
@@ -38,10 +40,6 @@ def node_id() -> str:
 
 # %% ../nbs/09_ipc.ipynb #21498120
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
-
-def dtype_name(dtype: torch.dtype) -> str:
-    "The plain-string name of `dtype` used in handles (`torch.float32` -> `'float32'`)."
-    return str(dtype).removeprefix("torch.")
 
 def _dtype_from_name(name, field="dtype"):
     if name not in _DTYPES: raise ValueError(f"{field}: expected one of {sorted(_DTYPES)}, got {name!r}")

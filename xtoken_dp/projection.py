@@ -20,12 +20,13 @@ import xtoken_dp
 __all__ = ['DenseProjection', 'DEFAULT_ROLE_EQUIVALENCE', 'UNPAIRED_ROLES', 'FAITHFUL', 'APPROXIMATE', 'UNMAPPED', 'STATUS_NAMES',
            'Reencoding', 'UnsafeProjectionFileError', 'load_projection_object', 'projection_format',
            'check_dense_arrays', 'load_dense_projection', 'read_projection_metadata', 'parse_projection_file',
-           'check_vocab_size', 'sparse_projection_from_coo', 'exact_token_map_from_topk', 'PieceVocabulary',
-           'single_byte_tokens', 'pair_special_tokens', 'exact_byte_matches', 'reencode', 'geometric_weights',
-           'accumulate_triplets', 'sort_and_cut', 'projection_invariant_violations', 'ProjectionReport',
-           'peak_rss_bytes', 'fast_batch_encoder', 'as_piece_vocabulary', 'ProjectionBuild', 'build_projection',
-           'default_report_path', 'build_projection_file', 'load_tokenizer_spec', 'describe_projection_file',
-           'convert_projection_file', 'projection_main']
+           'check_vocab_size', 'sparse_projection_from_coo', 'exact_token_map_parts', 'refuse_empty_exact_map',
+           'exact_token_map_from_topk', 'PieceVocabulary', 'single_byte_tokens', 'pair_special_tokens',
+           'exact_byte_matches', 'reencode', 'geometric_weights', 'accumulate_triplets', 'sort_and_cut',
+           'projection_invariant_violations', 'ProjectionReport', 'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder',
+           'as_piece_vocabulary', 'ProjectionBuild', 'specials_and_exact', 'build_projection', 'default_report_path',
+           'build_projection_file', 'load_tokenizer_spec', 'describe_projection_file', 'convert_projection_file',
+           'projection_main']
 
 # %% ../nbs/05_projection.ipynb #f065eba1
 class UnsafeProjectionFileError(ValueError):
@@ -322,7 +323,7 @@ def _complement(ids, size):
     return keep.nonzero().squeeze(1)
 
 # %% ../nbs/05_projection.ipynb #33a4660f
-def _exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
+def exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
                            exact_tolerance=1e-6, relaxed_threshold=0.6, exact_student_ids=None,
                            source="<in-memory projection>"):
     "The partition plus the message explaining why it is empty (None when it is not)."
@@ -352,7 +353,7 @@ def _exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_s
             "uncommon_student": _complement(common_student, n_student),
             "uncommon_teacher": _complement(common_teacher, teacher_vocab_size)}, message
 
-def _refuse_empty_exact_map(message, allow_empty):
+def refuse_empty_exact_map(message, allow_empty):
     "Raise (or, with `allow_empty`, warn) when an exact-token map came out empty."
     if message is None: return
     if not allow_empty: raise ValueError(message)
@@ -373,11 +374,11 @@ def exact_token_map_from_topk(
     source:str="<in-memory projection>", # named in messages (the file path)
 ) -> dict:
     "Common/uncommon vocabulary partition from dense top-k arrays (uncached core of `build_exact_token_map`)."
-    result, message = _exact_token_map_parts(
+    result, message = exact_token_map_parts(
         indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
         student_vocab_size=student_vocab_size, exact_tolerance=exact_tolerance, relaxed_threshold=relaxed_threshold,
         exact_student_ids=exact_student_ids, source=source)
-    _refuse_empty_exact_map(message, allow_empty)
+    refuse_empty_exact_map(message, allow_empty)
     return result
 
 # %% ../nbs/05_projection.ipynb #f7aa0cd9
@@ -745,7 +746,7 @@ def peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
-class _Phases:
+class PhaseTimer:
     "Wall time and peak RSS at the end of each named phase."
     def __init__(self): self.seconds, self.rss = {}, {}
     @contextlib.contextmanager
@@ -836,7 +837,7 @@ def _check_build_parameters(top_k, max_pieces, decay, reverse_weight, encode_bat
             raise ValueError(f"{name} must be a finite float {low}, got {value}")
 
 # %% ../nbs/05_projection.ipynb #a1ea3b42
-def _specials_and_exact(S, T, *, pair_specials, exact):
+def specials_and_exact(S, T, *, pair_specials, exact):
     "Triplets of steps 1-2, the mask of exact rows, and the special pairs / unpaired specials."
     if pair_specials: pairs, unpaired = pair_special_tokens(S.roles, T.roles)
     else: pairs, unpaired = [], [(s, roles) for s, roles in S.roles.items()]
@@ -870,10 +871,10 @@ def build_projection(
 ) -> ProjectionBuild:
     "Build a sparse, deterministic, byte-exact top-k projection from a student and a teacher tokenizer."
     _check_build_parameters(top_k, max_pieces, decay, reverse_weight, encode_batch_size)
-    phases = _Phases()
+    phases = PhaseTimer()
     with phases("vocabularies"): S, T = as_piece_vocabulary(student), as_piece_vocabulary(teacher)
     with phases("specials_exact"):
-        fixed, exact_rows, pairs, unpaired = _specials_and_exact(S, T, pair_specials=pair_specials, exact=exact)
+        fixed, exact_rows, pairs, unpaired = specials_and_exact(S, T, pair_specials=pair_specials, exact=exact)
     closed = exact_rows | S.special  # rows that take no forward or reverse contributions
     forward_ids = np.flatnonzero(~closed & (S.lengths > 0))
     reverse_ids = np.flatnonzero(~T.special & (T.lengths > 0)) if reverse else np.zeros(0, dtype=np.int64)
@@ -928,7 +929,7 @@ def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forw
     covered = int((torch.bincount(indices[live], minlength=len(T)) > 0).sum())
     def common(xtoken_loss):
         if len(S) == 0: return 0
-        result, _ = _exact_token_map_parts(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=len(T),
+        result, _ = exact_token_map_parts(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=len(T),
                                            exact_student_ids=None if xtoken_loss else exact_ids, source="build")
         return int(result["common_student"].numel())
     counts = lambda status: {name: int((status == i).sum()) for i, name in enumerate(STATUS_NAMES)}
@@ -1067,7 +1068,7 @@ def describe_projection_file(
             value = {k: value[k] for k in ("exact_rows", "empty_rows", "violations") if k in value}
         lines.append(line(key, _short(value)))
     for mode, relaxed in (("strict", False), ("relaxed", True)):
-        result, _ = _exact_token_map_parts(dense.indices, dense.likelihoods, xtoken_loss=relaxed, teacher_vocab_size=v_t,
+        result, _ = exact_token_map_parts(dense.indices, dense.likelihoods, xtoken_loss=relaxed, teacher_vocab_size=v_t,
                                            exact_student_ids=None if relaxed else dense.exact_student_ids, source=str(path))
         n = result["common_student"].numel()
         lines.append(line("exact map", f"{mode}: {n:,} common ids ({n / max(v_rows, 1):.1%} of rows)"))

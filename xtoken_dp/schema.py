@@ -19,11 +19,14 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase, tensorclass
 
+from .core import dtype_name
+
 # %% auto #0
 __all__ = ['Layout', 'FieldKind', 'FIELD_KINDS', 'DEFAULT_GROUP', 'SCHEMA_FORMAT_VERSION', 'BLOCK_ELEMENTS', 'SchemaError',
-           'representable', 'FieldSpec', 'Schema', 'is_jagged', 'lengths_to_offsets', 'jagged_lengths', 'make_jagged',
-           'segment_positions', 'padded_positions', 'row_blocks', 'gather_many', 'gather_rows', 'scatter_many',
-           'scatter_rows', 'compact_jagged', 'as_lengths', 'check_lengths', 'infer_schema', 'AlignmentBatch']
+           'representable', 'dtype_from_name', 'FieldSpec', 'Schema', 'is_jagged', 'lengths_to_offsets',
+           'jagged_lengths', 'make_jagged', 'segment_positions', 'padded_positions', 'row_blocks', 'gather_many',
+           'gather_rows', 'as_words', 'scatter_many', 'scatter_rows', 'compact_jagged', 'as_lengths', 'check_lengths',
+           'leaf_kind', 'same_offsets', 'infer_schema', 'AlignmentBatch']
 
 # %% ../nbs/00_schema.ipynb #4ec109bc
 Layout = Literal["padded", "jagged"]
@@ -64,13 +67,8 @@ def representable(value, # candidate pad value: bool, int or float
     return info.min <= int(value) <= info.max
 
 # %% ../nbs/00_schema.ipynb #75071d90
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    "`torch.bfloat16` -> `'bfloat16'` (None stays None)."
-    return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str | None, field: str = "?") -> torch.dtype | None:
-    "The inverse of `_dtype_name`; an unknown name raises `SchemaError`."
+def dtype_from_name(name: str | None, field: str = "?") -> torch.dtype | None:
+    "The inverse of `dtype_name`; an unknown name raises `SchemaError`."
     if name is None: return None
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
@@ -126,7 +124,7 @@ def _check_field_spec(spec: FieldSpec):
         if not isinstance(spec.group, str) or not spec.group:
             _fail(name, f"group must be a non-empty str, got {spec.group!r}")
         if spec.pad_value is not None and not representable(spec.pad_value, spec.dtype):
-            _fail(name, f"pad_value {spec.pad_value!r} is not exactly representable in dtype {_dtype_name(spec.dtype)}")
+            _fail(name, f"pad_value {spec.pad_value!r} is not exactly representable in dtype {dtype_name(spec.dtype)}")
         return
     if spec.group is not None: _fail(name, f"a {spec.kind} field has no group, got group={spec.group!r}")
     if spec.pad_value is not None:
@@ -196,7 +194,7 @@ SCHEMA_FORMAT_VERSION = 1
 def to_dict(self: Schema) -> dict:
     "A msgpack/JSON-native description: dtypes as names, shapes as lists."
     return {"version": SCHEMA_FORMAT_VERSION, "fields": [
-        {"name": s.name, "kind": s.kind, "dtype": _dtype_name(s.dtype), "pad_value": s.pad_value, "group": s.group,
+        {"name": s.name, "kind": s.kind, "dtype": dtype_name(s.dtype), "pad_value": s.pad_value, "group": s.group,
          "trailing_shape": None if s.trailing_shape is None else list(s.trailing_shape)} for s in self]}
 
 
@@ -213,7 +211,7 @@ def from_dict(cls: Schema, d: Mapping # the output of `to_dict()` (e.g. after a 
         if not isinstance(f, Mapping) or "name" not in f or "kind" not in f:
             raise SchemaError(f"schema dict fields[{i}] needs 'name' and 'kind', got {f!r}")
         shape = f.get("trailing_shape")
-        specs.append(FieldSpec(f["name"], f["kind"], _dtype_from_name(f.get("dtype"), f["name"]), f.get("pad_value"),
+        specs.append(FieldSpec(f["name"], f["kind"], dtype_from_name(f.get("dtype"), f["name"]), f.get("pad_value"),
                                f.get("group"), None if shape is None else tuple(shape)))
     return cls(specs)
 
@@ -429,7 +427,7 @@ def gather_rows(padded: torch.Tensor, # `(N, S, *trailing)`
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
+def as_words(t: torch.Tensor) -> torch.Tensor:
     "`t` (contiguous) reinterpreted bitwise as integers: same size for 1-D, the widest int dividing each row's bytes."
     if t.dim() == 1: return t.view(_INT_OF_SIZE[t.element_size()]) if t.element_size() in _INT_OF_SIZE else t
     rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))  # an explicit width: `-1` is ambiguous with 0 rows
@@ -440,7 +438,7 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 
 def _scatter_into(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor):
     "Write `values` at flat `positions` of `flat`, moving bits as integers (exact, and the fastest kernels)."
-    dst, src = _as_words(flat), _as_words(values.contiguous())
+    dst, src = as_words(flat), as_words(values.contiguous())
     if dst.dim() == 1: dst.scatter_(0, positions, src)
     else: dst.index_copy_(0, positions, src)
 
@@ -500,7 +498,7 @@ def as_lengths(lengths, # integer `(N,)` tensor or a sequence of ints
     if isinstance(lengths, torch.Tensor):
         if lengths.is_nested: raise TypeError(f"{name} must be a dense integer tensor, got a nested tensor")
         if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
-            raise TypeError(f"{name} must hold integers, got dtype {_dtype_name(lengths.dtype)}")
+            raise TypeError(f"{name} must hold integers, got dtype {dtype_name(lengths.dtype)}")
         return lengths
     if isinstance(lengths, (list, tuple)):
         for i, v in enumerate(lengths):
@@ -532,7 +530,7 @@ def check_lengths(lengths: torch.Tensor, # integer lengths from `as_lengths`
     return lengths
 
 # %% ../nbs/00_schema.ipynb #ce01596c
-def _leaf_kind(key, leaf) -> FieldKind:
+def leaf_kind(key, leaf) -> FieldKind:
     "The kind a wire leaf has by its layout; anything that is not a wire leaf raises."
     if isinstance(leaf, (NonTensorStack, NonTensorData)): return "object"
     if isinstance(leaf, TensorDictBase) or dataclasses.is_dataclass(leaf):
@@ -549,7 +547,7 @@ def _leaf_kind(key, leaf) -> FieldKind:
     return "sample" if leaf.dim() == 1 else "rect"
 
 
-def _same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
     "Offsets are the same group's: the same object, or equal values on the same device."
     return a is b or (a.shape == b.shape and a.device == b.device and torch.equal(a, b))
 
@@ -562,7 +560,7 @@ def _group_offsets(td) -> tuple[list[str], dict[str, torch.Tensor]]:
         leaf = td.get(key)
         if not is_jagged(leaf): continue
         off = leaf.offsets()
-        gid = next((i for i, r in enumerate(reps) if _same_offsets(r, off)), None)
+        gid = next((i for i, r in enumerate(reps) if same_offsets(r, off)), None)
         if gid is None: reps.append(off); gid = len(reps) - 1
         assignment[key] = gid
     names = [DEFAULT_GROUP] if len(reps) == 1 else [f"g{i}" for i in range(len(reps))]
@@ -577,7 +575,7 @@ def infer_schema(td: TensorDictBase # a wire batch
     specs = []
     for key in td.keys():
         leaf = td.get(key)
-        kind = _leaf_kind(key, leaf)
+        kind = leaf_kind(key, leaf)
         if kind == "object": specs.append(FieldSpec(key, "object"))
         elif kind == "token":
             specs.append(FieldSpec(key, "token", leaf.dtype, group=group_of[key], trailing_shape=tuple(leaf.shape[2:])))
@@ -589,7 +587,7 @@ def infer_schema(td: TensorDictBase # a wire batch
 def _check_offsets(key: str, offsets: torch.Tensor, values: torch.Tensor, n: int):
     "W2 for one group: int64 `[N+1]` on the values' device, 0 first, non-decreasing, ends at the values' length."
     if offsets.dtype != torch.int64 or offsets.shape != (n + 1,):
-        _fail(key, f"offsets must be int64 [{n + 1}], got {_dtype_name(offsets.dtype)} {list(offsets.shape)}")
+        _fail(key, f"offsets must be int64 [{n + 1}], got {dtype_name(offsets.dtype)} {list(offsets.shape)}")
     if offsets.device != values.device:
         _fail(key, f"offsets must be on the values' device {values.device}, got {offsets.device}")
     first, last = int(offsets[0]), int(offsets[-1])
@@ -633,7 +631,7 @@ def _check_object_leaf(spec: FieldSpec, leaf, n: int):
 
 def _describe(leaf) -> str:
     if isinstance(leaf, torch.Tensor):
-        return f"{'jagged ' if leaf.is_nested else ''}{_dtype_name(leaf.dtype)} tensor of shape {tuple(leaf.shape)}"
+        return f"{'jagged ' if leaf.is_nested else ''}{dtype_name(leaf.dtype)} tensor of shape {tuple(leaf.shape)}"
     return type(leaf).__name__
 
 # %% ../nbs/00_schema.ipynb #8875b05f
@@ -655,7 +653,7 @@ def validate(self: Schema, td: TensorDictBase # the wire batch to check
         if spec.kind == "token": _check_token_leaf(spec, leaf, n)
         else: _check_dense_leaf(spec, leaf, n)
         if spec.dtype is not None and leaf.dtype != spec.dtype:
-            _fail(spec.name, f"dtype must be {_dtype_name(spec.dtype)}, got {_dtype_name(leaf.dtype)}")
+            _fail(spec.name, f"dtype must be {dtype_name(spec.dtype)}, got {dtype_name(leaf.dtype)}")
         if spec.kind != "token": continue
         first = group_offsets.setdefault(spec.group, (spec.name, leaf.offsets()))
         if first[1] is not leaf.offsets():
@@ -798,7 +796,7 @@ def _pad_axis(batch: AlignmentBatch, axis: str, width: int | None) -> dict[str, 
     values = []
     for name in names:
         leaf = compact_jagged(getattr(batch, name))
-        if not _same_offsets(leaf.offsets(), offsets):
+        if not same_offsets(leaf.offsets(), offsets):
             raise ValueError(f"{name} must have the rows of {names[0]} (equal offsets)")
         values.append(leaf.values())
     padded = scatter_many(values, offsets, width, [AlignmentBatch.PAD_VALUES[n] for n in names])
@@ -852,7 +850,7 @@ def with_offsets(self: AlignmentBatch,
         if offsets is None: continue
         for name in AlignmentBatch.axis_fields(axis):
             leaf = compact_jagged(fields[name])
-            if not _same_offsets(leaf.offsets(), offsets):
+            if not same_offsets(leaf.offsets(), offsets):
                 raise ValueError(f"{axis} offsets {offsets.tolist()[:6]}… differ from the rows of {name} "
                                  f"{leaf.offsets().tolist()[:6]}…")
             fields[name] = make_jagged(leaf.values(), offsets)
@@ -864,7 +862,7 @@ def _check_dtypes(batch: AlignmentBatch):
         x = getattr(batch, name)
         if not isinstance(x, torch.Tensor): raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
         if x.dtype != AlignmentBatch.DTYPES[name]:
-            raise ValueError(f"{name} must be {_dtype_name(AlignmentBatch.DTYPES[name])}, got {_dtype_name(x.dtype)}")
+            raise ValueError(f"{name} must be {dtype_name(AlignmentBatch.DTYPES[name])}, got {dtype_name(x.dtype)}")
 
 
 def _check_jagged_structure(batch: AlignmentBatch):

@@ -23,10 +23,11 @@ from transformers import PreTrainedTokenizerFast
 __all__ = ['TOKENIZER_SOURCES', 'QWEN_PAT_STR', 'CHAT_TEMPLATES', 'CHAT_TEMPLATE_MARKERS', 'LOADER_SCHEMA_VERSION', 'ROLES',
            'TOY_KINDS', 'TokenizerSource', 'tokenizer_cache_root', 'default_assets_dir', 'verify_sha256',
            'ResolvedSource', 'resolve_tokenizer_source', 'TokenizerFetchError', 'fetch_tokenizer_assets',
-           'fetch_tokenizers_main', 'tokenizer_fingerprint', 'TokenizerCacheWarning', 'TokenizerIntegrityError',
-           'special_token_roles', 'role_code', 'load_tokenizer', 'load_mistral_tekken', 'load_mistral_spm',
-           'load_qwen2', 'load_bert_uncased', 'Availability', 'available_tokenizers', 'clear_tokenizer_cache',
-           'PieceBytesTable', 'piece_bytes_table', 'TokenSpans', 'encode_for_spans', 'char_to_byte_offsets',
+           'fetch_tokenizers_main', 'check_fast_tokenizer', 'tokenizer_fingerprint', 'TokenizerCacheWarning',
+           'TokenizerIntegrityError', 'special_token_roles', 'role_code', 'load_tokenizer', 'load_mistral_tekken',
+           'load_mistral_spm', 'load_qwen2', 'load_bert_uncased', 'Availability', 'available_tokenizers',
+           'clear_tokenizer_cache', 'PieceBytesTable', 'piece_bytes_table', 'TokenSpans', 'new_spans', 'SpanList',
+           'span_columns', 'encode_for_spans', 'char_to_byte_offsets', 'ids_array', 'light_witness',
            'batch_token_byte_spans', 'token_byte_spans', 'spans_table', 'TokenizerInfo', 'describe_tokenizer',
            'stdlib_source_files', 'toy_corpus', 'train_toy_tokenizer', 'load_tokenizer_file']
 
@@ -386,14 +387,14 @@ def _compute_fingerprint(tok) -> str:
     h.update(json.dumps(_named_specials(tok), sort_keys=True).encode())
     return h.hexdigest()
 
-def _check_fast_tokenizer(tok, arg="tok"):
+def check_fast_tokenizer(tok, arg="tok"):
     if not getattr(tok, "is_fast", False) or not hasattr(tok, "backend_tokenizer"):
         raise TypeError(f"{arg}: expected a transformers fast tokenizer (is_fast True), got {type(tok).__name__}")
 
 def tokenizer_fingerprint(tok, # a transformers fast tokenizer
                          ) -> str:
     "sha256 of the backend JSON (truncation and padding left out) and the named special tokens."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     w = _witness(tok)
     memo = tok.__dict__.get("_xtoken_dp_fp")
     if memo is not None and memo[0] == w: return memo[1]
@@ -560,7 +561,7 @@ def _roles_and_codes(tok, fp: str | None = None) -> tuple[dict[int, tuple[str, .
 def special_token_roles(tok, # a transformers fast tokenizer
                        ) -> dict[int, tuple[str, ...]]:
     "Every special id mapped to its roles, ordered as in `ROLES` (first role = the one consumers use)."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     return dict(_roles_and_codes(tok)[0])
 
 def role_code(role: str, # a name from `ROLES`
@@ -862,7 +863,7 @@ def _facts_and_table(tok) -> tuple[_PipelineFacts, PieceBytesTable]:
 def piece_bytes_table(tok, # a transformers fast tokenizer
                      ) -> PieceBytesTable:
     "The piece bytes of every id of `tok` (None for specials), computed once per fingerprint."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     return _facts_and_table(tok)[1]
 
 # %% ../nbs/03_tokenizers.ipynb #093bee1b
@@ -935,7 +936,7 @@ def validate(self: TokenSpans) -> TokenSpans:
 # %% ../nbs/03_tokenizers.ipynb #6ca76106
 _new_object = object.__new__
 
-def _new_spans(ids, start, end, exact, role, run, nbytes) -> TokenSpans:
+def new_spans(ids, start, end, exact, role, run, nbytes) -> TokenSpans:
     "A `TokenSpans` from arrays already of the right dtypes (no conversion or check: the library's internal constructor)."
     sp = _new_object(TokenSpans)
     sp.__dict__.update(ids=ids, start=start, end=end, exact=exact, role=role, run=run, nbytes=nbytes)
@@ -965,16 +966,16 @@ class _SpanColumns:
         return value
 
 
-class _SpanList(list):
+class SpanList(list):
     "A list of `TokenSpans` that also keeps their columns (batch functions read those instead of concatenating again)."
     def __init__(self, items, columns: _SpanColumns):
         super().__init__(items)
         self._columns, self._items = columns, tuple(self)
 
 
-def _span_columns(spans: Sequence[TokenSpans]) -> _SpanColumns:
-    "The columns of a batch: the kept ones of an unmodified `_SpanList`, else a view that concatenates each one on use."
-    if (isinstance(spans, _SpanList) and len(spans) == len(spans._items)
+def span_columns(spans: Sequence[TokenSpans]) -> _SpanColumns:
+    "The columns of a batch: the kept ones of an unmodified `SpanList`, else a view that concatenates each one on use."
+    if (isinstance(spans, SpanList) and len(spans) == len(spans._items)
             and all(map(operator.is_, spans, spans._items))):
         return spans._columns
     return _SpanColumns(list(spans))
@@ -1004,7 +1005,7 @@ def encode_for_spans(tok,                                # a transformers fast t
                      *, add_special_tokens: bool = True, # apply the tokenizer's template
                     ) -> list:
     "The backend `Encoding`s span recovery uses: one call, special-token matching off, no truncation or padding."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     texts = list(texts)
     for i, t in enumerate(texts):
         if not isinstance(t, str): raise TypeError(f"texts[{i}]: expected a str, got {type(t).__name__}")
@@ -1063,7 +1064,7 @@ def _no_runs(n: int) -> np.ndarray:
         _NO_RUNS.flags.writeable = False
     return _NO_RUNS[:n]
 
-def _ids_array(encs) -> tuple[np.ndarray, list[int]]:
+def ids_array(encs) -> tuple[np.ndarray, list[int]]:
     "All ids of a batch as one int64 array, and the per-sample counts."
     buf, counts = array.array("Q"), []    # unsigned: array fills it about twice as fast as "q" from Python ints
     for e in encs:
@@ -1076,7 +1077,7 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
                 add_special_tokens: bool, check_offsets: bool) -> list[TokenSpans | None]:
     "Fast-path spans for a batch; None for samples the fast path cannot prove exact."
     n, table = len(encs), prof.table
-    ids, counts = _ids_array(encs)
+    ids, counts = ids_array(encs)
     if len(ids) and ids.max() >= min(len(table), len(codes)): raise _StaleProfile(int(ids.max()))
     clen, role = table.content_lengths.take(ids), codes.take(ids)   # take: about 15 % faster than [] here
     bounds = list(itertools.accumulate(counts, initial=0))           # per-sample bookkeeping stays in Python
@@ -1122,11 +1123,11 @@ def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[b
     for i in range(n):
         if i in failed: continue
         a, b = bounds[i], bounds[i + 1]
-        spans = _new_spans(ids[a:b], start[a:b], end[a:b], exact[a:b], role[a:b], run[a:b], nbytes[i])
+        spans = new_spans(ids[a:b], start[a:b], end[a:b], exact[a:b], role[a:b], run[a:b], nbytes[i])
         if check_offsets and not _inside_offsets(spans, texts[i], encs[i]): continue
         out[i] = spans
     if any(r is None for r in out): return out
-    return _SpanList(out, _SpanColumns(ids=ids, start=start, end=end, exact=exact, role=role, run=run,
+    return SpanList(out, _SpanColumns(ids=ids, start=start, end=end, exact=exact, role=role, run=run,
                                        offsets=np.array(bounds, np.int64), nbytes=np.array(nbytes, np.int64)))
 
 def _template_specials_only(special, bounds, counts, lead, trail) -> list[bool]:
@@ -1256,7 +1257,7 @@ def _digit_policy(pieces: list[bytes]) -> str:
     if digits == [3, 3, 1]: return "grouped"
     return "free"
 
-def _light_witness(tok) -> tuple:
+def light_witness(tok) -> tuple:
     "The witness without the vocabulary size (30 µs on tekken); added ids are caught where they occur instead."
     bk = tok.backend_tokenizer
     named = tok.__dict__.get("_special_tokens_map")
@@ -1265,7 +1266,7 @@ def _light_witness(tok) -> tuple:
 
 def _profile(tok, refresh: bool = False) -> tuple[_Profile, np.ndarray]:
     "The tokenizer's span profile and its role codes (which depend on the chat template), memoised on `tok`."
-    w, tpl = _light_witness(tok), getattr(tok, "chat_template", None)
+    w, tpl = light_witness(tok), getattr(tok, "chat_template", None)
     memo = tok.__dict__.get("_xtoken_dp_profile")
     if not refresh and memo is not None and memo[0] == w and memo[1] is tpl: return memo[2], memo[3]
     fp = tokenizer_fingerprint(tok)
@@ -1322,7 +1323,7 @@ def _spans_of_batch(prof, codes, texts, tbs, encodings, add_special_tokens, path
         if todo:
             sub = _fast_spans(prof, codes, [texts[i] for i in todo], [tbs[i] for i in todo],
                               [encodings[i] for i in todo], add_special_tokens, check_offsets)
-            if len(todo) == len(texts) and isinstance(sub, _SpanList): return sub   # every text took the fast path
+            if len(todo) == len(texts) and isinstance(sub, SpanList): return sub   # every text took the fast path
             for i, r in zip(todo, sub):
                 # text the NFC normaliser changes cannot pass the byte comparison: an expected miss, not a failure
                 if r is None and not (prof.nfc and not unicodedata.is_normalized("NFC", texts[i])):
@@ -1351,7 +1352,7 @@ def batch_token_byte_spans(tok,                            # a transformers fast
                            check_offsets: bool = False,    # also cross-check fast spans against offsets
                           ) -> list[TokenSpans]:
     "Byte spans of every token of every text: vectorised fast path, generic path where needed."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     if isinstance(texts, str) or not isinstance(texts, Sequence):
         raise TypeError(f"texts: expected a list of str, got {type(texts).__name__}")
     for i, t in enumerate(texts):
@@ -1430,7 +1431,7 @@ _FAMILIES = {("BPE", "byte_level"): "byte_level_bpe", ("BPE", "sentencepiece"): 
 def describe_tokenizer(tok, # a transformers fast tokenizer
                       ) -> TokenizerInfo:
     "Family, normaliser, templates, digit policy, roles and span-recovery facts of `tok`."
-    _check_fast_tokenizer(tok)
+    check_fast_tokenizer(tok)
     prof, _ = _profile(tok)
     f = prof.facts
     family = _FAMILIES.get((f.model, f.codec)) or {"Unigram": "unigram", "WordPiece": "wordpiece"}.get(f.model,
