@@ -54,6 +54,7 @@ def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
             cell = nbformat.v4.new_markdown_cell("\n\n".join(_as_markdown(out) for out in cell.outputs))
         cells.append(cell)
     nb.cells = cells
+    nb.metadata["language_info"] = {"name": "python"}  # code cells become ```python blocks (tests/test_readme.py runs them)
     body, _ = MarkdownExporter().from_notebook_node(nb)
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     return "<!-- Generated from nbs/index.ipynb by tools/make_readme.py: edit the notebook, not this file. -->\n\n" + body
