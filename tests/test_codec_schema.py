@@ -20,7 +20,7 @@ from xtoken_dp.schema import AlignmentBatch, FieldSpec, Schema, SchemaError, is_
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("XTOKEN_DP_HYPOTHESIS_EXAMPLES", "40"))
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 SCHEMA_CODE = """
 import torch

@@ -15,26 +15,28 @@ import pickle
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from .schema import (DEFAULT_GROUP, FieldSpec, Layout, Schema, SchemaError, dtype_from_name, dtype_name,
+from .core import check_bool, check_int, dtype_name
+from .schema import (DEFAULT_GROUP, FIELD_KINDS, FieldSpec, Layout, Schema, SchemaError, dtype_from_name,
                               leaf_kind, same_offsets, as_lengths, check_lengths, compact_jagged, gather_many,
                               infer_schema, is_jagged, jagged_lengths, lengths_to_offsets, make_jagged, representable,
                               scatter_many, segment_positions)
 
 # %% auto #0
-__all__ = ['WIRE_FORMAT', 'WIRE_VERSION', 'LengthsError', 'PaddingError', 'StrippedPayloadError', 'WireFormatError',
-           'to_nested_by_length', 'stack_or_nest', 'unwrap_wire_stripped_payload', 'maybe_pack_jagged',
-           'pack_per_token_field', 'object_array', 'object_stack', 'pack_jagged_fields', 'response_from_nested',
-           'object_column', 'materialize', 'cu_seqlens', 'encode', 'decode', 'WireBatch', 'wire_nbytes',
-           'long_tail_lengths', 'synthetic_rl_batch', 'padding_tax_report', 'format_padding_tax', 'padding_tax_main',
-           'SchemaError']
+__all__ = ['WIRE_FORMAT', 'WIRE_VERSION', 'MAX_WIRE_COUNT', 'MAX_WIRE_DIMS', 'LengthsError', 'PaddingError',
+           'StrippedPayloadError', 'WireFormatError', 'to_nested_by_length', 'stack_or_nest',
+           'unwrap_wire_stripped_payload', 'maybe_pack_jagged', 'pack_per_token_field', 'object_array', 'object_stack',
+           'pack_jagged_fields', 'response_from_nested', 'object_column', 'materialize', 'cu_seqlens', 'encode',
+           'decode', 'WireBatch', 'wire_nbytes', 'long_tail_lengths', 'synthetic_rl_batch', 'padding_tax_report',
+           'format_padding_tax', 'padding_tax_main', 'SchemaError']
 
 # %% ../nbs/01_codec.ipynb #0c8cdfae
 _all_ = ["SchemaError"]  # re-exported: every codec error is importable from here
@@ -50,7 +52,7 @@ class StrippedPayloadError(ValueError):
     "An object column whose payload was stripped in transport (an empty TensorDict where objects were)."
 
 class WireFormatError(ValueError):
-    "A bad wire header, version or buffer size, or pickled object columns where pickle is not allowed."
+    "A malformed wire header or buffer (a claim the data contradicts), or pickled object columns where pickle is not allowed."
 
 # %% ../nbs/01_codec.ipynb #128d85b7
 def _first_row(mask: torch.Tensor) -> int:
@@ -186,7 +188,7 @@ def _check_tensor(val, name: str | None):
 
 
 def _compact_input(njt: torch.Tensor, name: str | None) -> torch.Tensor:
-    "An NJT input checked for W7 (ragged dim 1), detached and compacted (holes gathered away)."
+    "An NJT input checked for its ragged dim (it must be dim 1), detached and compacted (holes gathered away)."
     if njt._ragged_idx != 1:
         raise ValueError(f"field {name!r}: the ragged dim must be dim 1 (extra per-token dims go after it), "
                          f"got dim {njt._ragged_idx} of shape {tuple(njt.shape)}")
@@ -250,7 +252,7 @@ def object_stack(items: list, n: int) -> NonTensorStack:
 
 
 def _pack_object(name: str, value, n: int) -> NonTensorStack:
-    "An object column as a `NonTensorStack` of exactly N items (W5)."
+    "An object column as a `NonTensorStack` of exactly N items (row i is item i)."
     if isinstance(value, NonTensorStack):
         if value.batch_size[:1] != torch.Size([n]):
             raise ValueError(f"field {name!r} must hold N={n} items, got batch_size {list(value.batch_size)}")
@@ -563,15 +565,15 @@ def _pad_queued(queue: dict, plans: dict, pad_to_seqlen: int) -> dict:
     return result
 
 # %% ../nbs/01_codec.ipynb #8c648095
-def _check_materialize_args(td, layout, pad_to_seqlen, schema, on_stripped):
+def _check_materialize_args(td, layout, pad_to_seqlen, schema, on_stripped) -> int:
+    "Check the arguments of `materialize`; return `pad_to_seqlen` as a plain int."
     if not isinstance(td, TensorDictBase): raise TypeError(f"td must be a TensorDict, got {type(td).__name__}")
     if td.batch_dims != 1: raise ValueError(f"td must have batch_size [N], got {list(td.batch_size)}")
     if layout not in ("padded", "jagged"): raise ValueError(f"layout must be 'padded' or 'jagged', got {layout!r}")
-    if isinstance(pad_to_seqlen, bool) or not isinstance(pad_to_seqlen, int) or pad_to_seqlen < 0:
-        raise ValueError(f"pad_to_seqlen must be an int >= 0, got {pad_to_seqlen!r}")
     if schema is not None and not isinstance(schema, Schema):
         raise TypeError(f"schema must be a Schema, got {type(schema).__name__}")
     if on_stripped not in ("raise", "none"): raise ValueError(f"on_stripped must be 'raise' or 'none', got {on_stripped!r}")
+    return check_int("pad_to_seqlen", pad_to_seqlen, minimum=0)
 
 
 def materialize(td: TensorDictBase, # a wire batch
@@ -583,7 +585,7 @@ def materialize(td: TensorDictBase, # a wire batch
                 out: Mapping | None = None, # preallocated (optionally pinned) padded buffers, by field
                ) -> dict:
     "Convert a wire batch into a dict of padded tensors (or NJTs), untouched dense tensors and `(N,)` object arrays."
-    _check_materialize_args(td, layout, pad_to_seqlen, schema, on_stripped)
+    pad_to_seqlen = _check_materialize_args(td, layout, pad_to_seqlen, schema, on_stripped)
     n, plans, queue, result = td.batch_size[0], {}, {}, {}
     for key in td.keys():
         leaf = td.get(key)
@@ -616,6 +618,22 @@ def cu_seqlens(td: TensorDictBase, # a wire batch
 
 # %% ../nbs/01_codec.ipynb #52c0d95a
 WIRE_FORMAT, WIRE_VERSION = "xtoken_dp.wire", 1
+
+
+_WIRE_DTYPES: dict = {}  # dtype -> whether the codec can carry it (probed once per dtype)
+
+
+def _is_wire_dtype(dtype: torch.dtype) -> bool:
+    "Whether the codec carries `dtype`: it views as bytes and fills with a pad (bool, ints, floats, complex: yes)."
+    if dtype not in _WIRE_DTYPES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # probing a quantized dtype warns that they are deprecated
+            try:
+                torch.full((2,), 0, dtype=dtype).view(torch.uint8)
+                torch.zeros(16, dtype=torch.uint8).view(dtype)
+                _WIRE_DTYPES[dtype] = True
+            except (RuntimeError, TypeError): _WIRE_DTYPES[dtype] = False
+    return _WIRE_DTYPES[dtype]
 
 
 def _check_byteorder():
@@ -690,6 +708,9 @@ def encode(td: TensorDictBase, # a wire batch
         entry = {"name": spec.name, "kind": spec.kind, "buffer": len(buffers), "group": spec.group}
         if spec.kind == "object": buffers.append(_encode_objects(spec.name, leaf, n)); fields.append(entry); continue
         data = values[spec.name] if spec.kind == "token" else leaf
+        if not _is_wire_dtype(data.dtype):
+            raise TypeError(f"field {spec.name!r}: dtype {dtype_name(data.dtype)} cannot travel on the wire (the codec "
+                            f"carries dtypes that view as bytes and fill with a pad: bool, ints, floats, complex)")
         entry.update(dtype=dtype_name(data.dtype), shape=list(data.shape[1:]))
         buffers.append(_byte_view(data)); fields.append(entry)
     header = {"format": WIRE_FORMAT, "version": WIRE_VERSION, "byteorder": "little", "n": n,
@@ -697,99 +718,279 @@ def encode(td: TensorDictBase, # a wire batch
     return header, buffers
 
 # %% ../nbs/01_codec.ipynb #6c026659
+MAX_WIRE_COUNT = 2**62  # no count, dim or total on the wire may exceed this: int64 sizes and strides never overflow
+MAX_WIRE_DIMS = 32  # per-row dims of a field (after N or after the ragged dim)
+
+
 def _wire_fail(msg: str): raise WireFormatError(msg)
 
 
-def _check_header(header, nbuffers: int) -> dict:
-    "The header's structural checks; anything off raises `WireFormatError`."
+def _wire_int(what: str, value) -> int:
+    "A header number: a plain int in `[0, MAX_WIRE_COUNT]` (`check_int`'s rules), else `WireFormatError` naming it."
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        _wire_fail(f"{what}: expected an int >= 0 and <= {MAX_WIRE_COUNT}, got an int of {value.bit_length()} bits")
+    try: return check_int(what, value, minimum=0, maximum=MAX_WIRE_COUNT)
+    except (TypeError, ValueError) as e: raise WireFormatError(str(e)) from None
+
+
+def _wire_entry(what: str, entry, keys: tuple) -> Mapping:
+    "A header entry: a dict holding `keys`, else `WireFormatError` naming what is missing."
+    if not isinstance(entry, Mapping): _wire_fail(f"{what} must be a dict, got {type(entry).__name__}")
+    missing = [k for k in keys if k not in entry]
+    if missing: _wire_fail(f"{what} lacks the keys {missing}")
+    return entry
+
+
+def _wire_dtype(what: str, name) -> torch.dtype:
+    "The dtype a header names, if the codec carries it."
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not _is_wire_dtype(dtype):
+        _wire_fail(f"{what}: expected the name of a dtype the codec carries (e.g. 'int64', 'bfloat16'), got {name!r}")
+    return dtype
+
+# %% ../nbs/01_codec.ipynb #b635aef9
+def _check_envelope(header) -> int:
+    "The header's type, format, version and byte order, and the lists it must hold; returns N."
     if not isinstance(header, Mapping): _wire_fail(f"header must be a dict, got {type(header).__name__}")
     if header.get("format") != WIRE_FORMAT: _wire_fail(f"header format must be {WIRE_FORMAT!r}, got {header.get('format')!r}")
-    if header.get("version") != WIRE_VERSION:
-        _wire_fail(f"unsupported wire version {header.get('version')!r} (this reader understands {WIRE_VERSION})")
+    version = header.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != WIRE_VERSION:
+        _wire_fail(f"unsupported wire version {version!r} (this reader understands {WIRE_VERSION})")
     if header.get("byteorder", "little") != "little": _wire_fail(f"byteorder must be 'little', got {header.get('byteorder')!r}")
-    n = header.get("n")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0: _wire_fail(f"header n must be an int >= 0, got {n!r}")
     for part in ("groups", "fields"):
-        if not isinstance(header.get(part), list): _wire_fail(f"header {part!r} must be a list")
-    used = [e.get("offsets") for e in header["groups"]] + [e.get("buffer") for e in header["fields"]]
-    if sorted(used) != list(range(nbuffers)):
-        _wire_fail(f"header references buffers {sorted(used)}, got {nbuffers} buffers")
-    return header
+        if not isinstance(header.get(part), (list, tuple)):
+            _wire_fail(f"header {part!r} must be a list, got {type(header.get(part)).__name__}")
+    return _wire_int("header n", header.get("n"))
 
 
-def _uint8(buf) -> np.ndarray:
-    "A uint8 numpy view of any buffer-protocol object (bytes, bytearray, memoryview, numpy, PickleBuffer)."
-    if isinstance(buf, pickle.PickleBuffer): buf = buf.raw()
-    try: return np.frombuffer(buf, dtype=np.uint8)
-    except (TypeError, ValueError) as e: _wire_fail(f"a buffer must support the buffer protocol: {e}")
+def _header_schema(d) -> Schema:
+    "The schema the header carries (the declaration every entry must agree with)."
+    try: return Schema.from_dict(d)
+    except (SchemaError, TypeError, KeyError, ValueError) as e: _wire_fail(f"the header's schema is malformed: {e}")
 
 
-def _tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple, what: str) -> torch.Tensor:
-    "A tensor of `shape`/`dtype` over `raw`'s memory (copied once only if misaligned)."
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
-    if raw.nbytes != expected: _wire_fail(f"{what}: buffer holds {raw.nbytes} bytes, expected {expected} for {dtype} {list(shape)}")
-    if expected == 0: return torch.empty(shape, dtype=dtype)
-    if raw.ctypes.data % itemsize: raw = raw.copy()  # misaligned: one copy (numpy allocations are aligned)
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
+class _WireGroup(NamedTuple):
+    "A group entry of a header, its types checked."
+    name: str
+    buffer: int
+    min_seqlen: int
+    max_seqlen: int
+    total: int
+
+
+def _parse_group(i: int, entry, nbuffers: int) -> _WireGroup:
+    "Group entry `i`: a name, an offsets buffer index in range, and non-negative int claims."
+    entry = _wire_entry(f"header groups[{i}]", entry, ("name", "offsets", "min_seqlen", "max_seqlen", "total"))
+    name = entry["name"]
+    if not isinstance(name, str) or not name: _wire_fail(f"header groups[{i}] name must be a non-empty str, got {name!r}")
+    what = f"group {name!r}"
+    group = _WireGroup(name, _wire_int(f"{what} offsets buffer index", entry["offsets"]),
+                       *(_wire_int(f"{what} {key}", entry[key]) for key in ("min_seqlen", "max_seqlen", "total")))
+    if group.buffer >= nbuffers: _wire_fail(f"{what}: offsets buffer index {group.buffer} is out of range ({nbuffers} buffers)")
+    return group
+
+
+class _WireField(NamedTuple):
+    "A field entry of a header, its types checked."
+    name: str
+    kind: str
+    buffer: int
+    group: str | None
+    dtype: torch.dtype | None
+    shape: tuple
+
+
+def _parse_field(i: int, entry, nbuffers: int) -> _WireField:
+    "Field entry `i`: a name, a kind, a buffer index in range, a group name or None, a dtype and a shape (none for objects)."
+    entry = _wire_entry(f"header fields[{i}]", entry, ("name", "kind", "buffer"))
+    name, kind, group = entry["name"], entry["kind"], entry.get("group")
+    if not isinstance(name, str) or not name: _wire_fail(f"header fields[{i}] name must be a non-empty str, got {name!r}")
+    what = f"field {name!r}"
+    if not isinstance(kind, str) or kind not in FIELD_KINDS: _wire_fail(f"{what}: kind must be one of {FIELD_KINDS}, got {kind!r}")
+    if group is not None and not isinstance(group, str): _wire_fail(f"{what}: group must be a str or None, got {group!r}")
+    buffer = _wire_int(f"{what} buffer index", entry["buffer"])
+    if buffer >= nbuffers: _wire_fail(f"{what}: buffer index {buffer} is out of range ({nbuffers} buffers)")
+    if kind == "object":
+        if entry.get("dtype") is not None or entry.get("shape") is not None:
+            _wire_fail(f"{what}: an object column has no dtype or shape, got {entry.get('dtype')!r}, {entry.get('shape')!r}")
+        return _WireField(name, kind, buffer, group, None, ())
+    _wire_entry(what, entry, ("dtype", "shape"))
+    shape = entry["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_WIRE_DIMS:
+        _wire_fail(f"{what}: shape must be a list of at most {MAX_WIRE_DIMS} ints, got {shape!r}")
+    shape = tuple(_wire_int(f"{what} shape[{j}]", d) for j, d in enumerate(shape))
+    return _WireField(name, kind, buffer, group, _wire_dtype(what, entry["dtype"]), shape)
+
+# %% ../nbs/01_codec.ipynb #6e388815
+def _check_pickles_allowed(fields: list, allow_pickle: bool):
+    "Object columns are pickles: refused unless the caller opted in."
+    objects = [f.name for f in fields if f.kind == "object"]
+    if objects and not allow_pickle:
+        _wire_fail(f"fields {objects} are object columns, sent as pickles, and unpickling runs code chosen by the sender: "
+                   f"decode refuses them unless you pass allow_pickle=True (do that only for a sender you trust)")
+
+
+def _check_buffer_use(groups: list, fields: list, nbuffers: int):
+    "Each buffer is used by exactly one group or field entry."
+    used = sorted([g.buffer for g in groups] + [f.buffer for f in fields])
+    if used != list(range(nbuffers)):
+        _wire_fail(f"the header must use each of the {nbuffers} buffers exactly once, got buffer indices {used[:16]}")
+
+
+def _bind_field(spec: FieldSpec, f: _WireField):
+    "A field entry agrees with its declaration: kind, dtype, group and per-row shape."
+    what = f"field {f.name!r}"
+    if f.kind != spec.kind: _wire_fail(f"{what}: the header says kind {f.kind!r}, its schema declares {spec.kind!r}")
+    if spec.dtype is not None and f.dtype != spec.dtype:
+        _wire_fail(f"{what}: the header says dtype {dtype_name(f.dtype)}, its schema declares {dtype_name(spec.dtype)}")
+    if f.group != spec.group: _wire_fail(f"{what}: the header says group {f.group!r}, its schema declares {spec.group!r}")
+    declared = () if spec.kind == "sample" else spec.trailing_shape
+    if spec.kind != "object" and declared is not None and f.shape != declared:
+        _wire_fail(f"{what}: the header says per-row shape {list(f.shape)}, its schema declares {list(declared)}")
+
+
+def _bind_to_schema(schema: Schema, groups: list, fields: list):
+    "The entries are exactly the schema's fields (in order, each once) and groups (each once), as declared."
+    names, group_names = [f.name for f in fields], [g.name for g in groups]
+    for what, seen in (("fields", names), ("groups", group_names)):
+        twice = sorted(k for k, c in Counter(seen).items() if c > 1)
+        if twice: _wire_fail(f"header {what} {twice[:8]} appear more than once")
+    if names != list(schema.names):
+        _wire_fail(f"header fields {names[:16]} differ from the fields of its schema {list(schema.names)[:16]}")
+    if sorted(group_names) != sorted(schema.groups()):
+        _wire_fail(f"header groups {sorted(group_names)[:16]} differ from the groups of its schema {sorted(schema.groups())[:16]}")
+    for f in fields: _bind_field(schema[f.name], f)
+
+
+def _check_sizes(n: int, groups: list, fields: list, nbytes: list[int]):
+    "Every declared size against the bytes the buffers really hold."
+    totals = {g.name: g.total for g in groups}
+    for g in groups:
+        if nbytes[g.buffer] != (n + 1) * 8:
+            _wire_fail(f"offsets of group {g.name!r}: buffer {g.buffer} holds {nbytes[g.buffer]} bytes, expected "
+                       f"{(n + 1) * 8} for int64 [{n + 1}]")
+    for f in fields:
+        if f.kind == "object": continue
+        shape = (totals[f.group] if f.kind == "token" else n, *f.shape)
+        if math.prod(max(d, 1) for d in shape) > MAX_WIRE_COUNT:
+            _wire_fail(f"field {f.name!r}: shape {list(shape)} exceeds {MAX_WIRE_COUNT} elements")
+        expected = math.prod(shape) * f.dtype.itemsize
+        if nbytes[f.buffer] != expected:
+            _wire_fail(f"field {f.name!r}: buffer {f.buffer} holds {nbytes[f.buffer]} bytes, expected {expected} for "
+                       f"{dtype_name(f.dtype)} {list(shape)}")
+
+# %% ../nbs/01_codec.ipynb #86e6269d
+def _read_header(header, nbytes: list[int], allow_pickle: bool) -> tuple[int, list, list]:
+    "N and the checked group and field entries: every claim checked against the header, its schema and the buffer sizes."
+    n = _check_envelope(header)
+    schema = _header_schema(header.get("schema"))
+    groups = [_parse_group(i, e, len(nbytes)) for i, e in enumerate(header["groups"])]
+    fields = [_parse_field(i, e, len(nbytes)) for i, e in enumerate(header["fields"])]
+    _check_pickles_allowed(fields, allow_pickle)
+    _check_buffer_use(groups, fields, len(nbytes))
+    _bind_to_schema(schema, groups, fields)
+    _check_sizes(n, groups, fields, nbytes)
+    return n, groups, fields
 
 # %% ../nbs/01_codec.ipynb #7d5ede9e
-def _decode_offsets(entry: dict, arrays: list, n: int, device) -> tuple[torch.Tensor, dict]:
-    "A group's offsets, checked (0 first, non-decreasing, ending at the total)."
-    try:
-        name, total = entry["name"], entry["total"]
-        offsets = _tensor(arrays[entry["offsets"]], torch.int64, (n + 1,), f"offsets of group {name!r}")
-        cache = {"min_seqlen": int(entry["min_seqlen"]), "max_seqlen": int(entry["max_seqlen"]), "total": int(total)}
-    except (KeyError, TypeError) as e: _wire_fail(f"bad group entry {entry!r}: {e!r}")
-    if int(offsets[0]) != 0 or int(offsets[-1]) != cache["total"] or (n and bool((offsets.diff() < 0).any())):
-        _wire_fail(f"offsets of group {name!r} must rise from 0 to {cache['total']}, got {offsets[:3].tolist()}…{int(offsets[-1])}")
-    return (offsets if device is None else offsets.to(device)), cache
+def _uint8(buf, i: int) -> np.ndarray:
+    "A uint8 numpy view of buffer `i` (bytes, bytearray, memoryview, numpy, PickleBuffer: anything with the buffer protocol)."
+    if isinstance(buf, pickle.PickleBuffer): buf = buf.raw()
+    try: return np.frombuffer(buf, dtype=np.uint8)
+    except (TypeError, ValueError, BufferError) as e: _wire_fail(f"buffers[{i}] must be a contiguous buffer: {e}")
 
 
-def _decode_field(entry: dict, arrays: list, n: int, groups: dict, device, allow_pickle: bool):
-    "One column from its buffer."
-    try: name, kind, raw = entry["name"], entry["kind"], arrays[entry["buffer"]]
-    except (KeyError, TypeError, IndexError) as e: _wire_fail(f"bad field entry {entry!r}: {e!r}")
-    if kind == "object":
-        if not allow_pickle: _wire_fail(f"field {name!r} is a pickled object column and allow_pickle=False")
-        items = pickle.loads(raw)
-        if not isinstance(items, list) or len(items) != n: _wire_fail(f"object field {name!r} must unpickle to {n} items")
-        return object_stack(items, n)
-    try: dtype, shape = dtype_from_name(entry["dtype"], name), tuple(entry["shape"])
-    except (KeyError, TypeError, SchemaError) as e: _wire_fail(f"field {name!r}: bad dtype/shape ({e})")
-    if kind == "token":
-        if entry.get("group") not in groups: _wire_fail(f"field {name!r} names unknown group {entry.get('group')!r}")
-        offsets, cache = groups[entry["group"]]
-        values = _tensor(raw, dtype, (cache["total"], *shape), f"field {name!r}")
-        values = values if device is None else values.to(device)
-        return make_jagged(values, offsets, min_seqlen=cache["min_seqlen"], max_seqlen=cache["max_seqlen"])
-    if kind not in ("sample", "rect"): _wire_fail(f"field {name!r} has unknown kind {kind!r}")
-    t = _tensor(raw, dtype, (n, *shape), f"field {name!r}")
-    return t if device is None else t.to(device)
+def _wire_arrays(buffers) -> list[np.ndarray]:
+    "uint8 views of the buffers."
+    if isinstance(buffers, (str, bytes, bytearray, memoryview, np.ndarray)) or not hasattr(buffers, "__iter__"):
+        _wire_fail(f"buffers must be a list of buffers, got {type(buffers).__name__}")
+    return [_uint8(b, i) for i, b in enumerate(buffers)]
+
+
+def _tensor(raw: np.ndarray, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    "A tensor of `shape`/`dtype` over `raw`'s memory (its size already checked; copied once only if misaligned)."
+    if raw.nbytes == 0: return torch.empty(shape, dtype=dtype)
+    if raw.ctypes.data % dtype.itemsize: raw = raw.copy()  # misaligned: one copy (numpy allocations are aligned)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _decode_offsets(g: _WireGroup, raw: np.ndarray, n: int) -> torch.Tensor:
+    "A group's offsets: 0 first, never decreasing, ending at the claimed total, with the claimed shortest/longest row."
+    offsets = _tensor(raw, torch.int64, (n + 1,))
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != g.total:
+        _wire_fail(f"offsets of group {g.name!r} must run from 0 to its total {g.total}, got {first}..{last}")
+    down = offsets[1:] < offsets[:-1]  # compared, not subtracted: no int64 overflow on hostile values
+    if n and bool(down.any()):
+        row = _first_row(down)
+        _wire_fail(f"offsets of group {g.name!r} must not decrease: row {row} runs from {int(offsets[row])} to "
+                   f"{int(offsets[row + 1])}")
+    lo, hi = (int(v) for v in torch.aminmax(offsets.diff())) if n else (0, 0)
+    if (lo, hi) != (g.min_seqlen, g.max_seqlen):
+        _wire_fail(f"group {g.name!r} claims rows of {g.min_seqlen}..{g.max_seqlen} tokens, its offsets give {lo}..{hi}")
+    return offsets
+
+
+def _decode_objects(f: _WireField, raw: np.ndarray, n: int) -> NonTensorStack:
+    "An object column from its pickle (the caller allowed pickles): a list of exactly N items."
+    try: items = pickle.loads(raw)
+    except Exception as e: _wire_fail(f"field {f.name!r}: the object column does not unpickle ({type(e).__name__}: {e})")
+    if not isinstance(items, list) or len(items) != n:
+        got = f"a list of {len(items)} items" if isinstance(items, list) else type(items).__name__
+        _wire_fail(f"field {f.name!r}: the object column must unpickle to a list of {n} items, got {got}")
+    return object_stack(items, n)
+
+
+def _decode_column(f: _WireField, raw: np.ndarray, n: int, offsets: dict, groups: dict):
+    "One column over its buffer: an NJT on its group's offsets, a dense tensor, or an object stack."
+    if f.kind == "object": return _decode_objects(f, raw, n)
+    if f.kind != "token": return _tensor(raw, f.dtype, (n, *f.shape))
+    g = groups[f.group]
+    return make_jagged(_tensor(raw, f.dtype, (g.total, *f.shape)), offsets[f.group],
+                       min_seqlen=g.min_seqlen, max_seqlen=g.max_seqlen)
+
+# %% ../nbs/01_codec.ipynb #e6f6430e
+def _decode_on_host(header, buffers, allow_pickle: bool) -> tuple[TensorDict, bool]:
+    "The batch over the buffers' memory (header read first, then offsets, then columns), and whether a buffer is read-only."
+    arrays = _wire_arrays(buffers)
+    n, groups, fields = _read_header(header, [a.nbytes for a in arrays], allow_pickle)
+    by_name = {g.name: g for g in groups}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        offsets = {g.name: _decode_offsets(g, arrays[g.buffer], n) for g in groups}
+        out = {f.name: _decode_column(f, arrays[f.buffer], n, offsets, by_name) for f in fields}
+    return TensorDict(out, batch_size=[n]), any(not a.flags.writeable for a in arrays)
+
+
+def _to_device(td: TensorDict, device: torch.device) -> TensorDict:
+    "The batch copied to `device`, each group's offsets moved once and still shared by its fields."
+    moved, out = {}, {}
+    for key in td.keys():
+        leaf = td.get(key)
+        if is_jagged(leaf):
+            offsets = leaf.offsets()
+            if id(offsets) not in moved: moved[id(offsets)] = offsets.to(device)
+            out[key] = make_jagged(leaf.values().to(device), moved[id(offsets)], min_seqlen=leaf._min_seqlen,
+                                   max_seqlen=leaf._max_seqlen)
+        else: out[key] = leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf
+    return TensorDict(out, batch_size=td.batch_size)
 
 
 def decode(header: dict, # the header from `encode`
            buffers, # the buffers from `encode` (any buffer-protocol objects), in order
            *, device=None, # move the result there (None: stay on the buffers' memory, zero-copy)
-           allow_pickle: bool = True, # False: refuse object columns (they are pickles)
+           allow_pickle: bool = False, # True: unpickle object columns (runs the sender's code: trusted senders only)
           ) -> TensorDict:
-    "Rebuild the wire batch from `encode`'s header and buffers, aliasing the buffers where possible."
+    "Rebuild the wire batch from `encode`'s header and buffers, aliasing the buffers; every claim is checked first."
     _check_byteorder()
-    buffers = list(buffers)
-    header = _check_header(header, len(buffers))
-    if not allow_pickle and any(e.get("kind") == "object" for e in header["fields"]):
-        _wire_fail("the header declares object columns (pickles) and allow_pickle=False")
-    try: Schema.from_dict(header["schema"])
-    except (SchemaError, KeyError, TypeError) as e: _wire_fail(f"bad schema in header: {e}")
-    n, arrays = header["n"], [_uint8(b) for b in buffers]
-    read_only = any(not a.flags.writeable for a in arrays)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        groups = {e.get("name"): _decode_offsets(e, arrays, n, device) for e in header["groups"]}
-        out = {e["name"]: _decode_field(e, arrays, n, groups, device, allow_pickle) for e in header["fields"]}
-    td = TensorDict(out, batch_size=[n])
-    aliased = device is None or torch.device(device).type == "cpu"
-    return td.lock_() if read_only and aliased else td
+    check_bool("allow_pickle", allow_pickle)
+    device = None if device is None else torch.device(device)
+    try: td, read_only = _decode_on_host(header, buffers, allow_pickle)
+    except (WireFormatError, MemoryError): raise
+    except Exception as e:  # the last guard: one error family for anything malformed
+        raise WireFormatError(f"malformed wire batch ({type(e).__name__}: {e})") from e
+    if device is not None and device.type != "cpu": return _to_device(td, device)
+    return td.lock_() if read_only else td
 
 # %% ../nbs/01_codec.ipynb #d5906672
 class WireBatch:
@@ -823,7 +1024,8 @@ class WireBatch:
 
 
 def _wire_batch_from_parts(header, buffers) -> WireBatch:
-    return WireBatch(decode(header, buffers), schema=Schema.from_dict(header["schema"]))
+    "Unpickling a `WireBatch`: the caller chose to unpickle, so its object columns are unpickled too."
+    return WireBatch(decode(header, buffers, allow_pickle=True), schema=Schema.from_dict(header["schema"]))
 
 # %% ../nbs/01_codec.ipynb #b40ac743
 def wire_nbytes(td: TensorDictBase, # a wire batch

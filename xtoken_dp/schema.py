@@ -19,7 +19,7 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase, tensorclass
 
-from .core import dtype_name
+from .core import check_int, dtype_name
 
 # %% auto #0
 __all__ = ['Layout', 'FieldKind', 'FIELD_KINDS', 'DEFAULT_GROUP', 'SCHEMA_FORMAT_VERSION', 'BLOCK_ELEMENTS', 'SchemaError',
@@ -57,11 +57,12 @@ def representable(value, # candidate pad value: bool, int or float
     if value is None: return False
     if dtype is None: return True
     if dtype == torch.bool: return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
-    if dtype.is_floating_point:
+    if dtype.is_floating_point or dtype.is_complex:
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value)): return True
-        if isinstance(value, int) and float(value) != value: return False  # beyond 2**53: not even a double
-        return torch.tensor(float(value), dtype=torch.float64).to(dtype).item() == value
-    if dtype.is_complex: return torch.tensor(value, dtype=dtype).item() == value
+        try:
+            if isinstance(value, int) and float(value) != value: return False  # beyond 2**53: not even a double
+            return torch.tensor(float(value), dtype=torch.float64).to(dtype).item() == value
+        except OverflowError: return False  # an int beyond any double
     if isinstance(value, float): return False  # a float pad on an integer field truncates silently
     info = torch.iinfo(dtype)
     return info.min <= int(value) <= info.max
@@ -100,21 +101,24 @@ def _fail(spec_name, message):
     raise SchemaError(f"field {spec_name!r}: {message}")
 
 
+def _trailing_shape(name: str, shape) -> tuple[int, ...]:
+    "`shape` as a tuple of non-negative ints (the shared `check_int`), else `SchemaError` naming the field."
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        _fail(name, f"trailing_shape must be a tuple of non-negative ints or None, got {shape!r}")
+    try: return tuple(check_int(f"trailing_shape[{i}]", d, minimum=0) for i, d in enumerate(shape))
+    except (TypeError, ValueError) as e: _fail(name, str(e))
+
+
 def _check_field_spec(spec: FieldSpec):
     "Validate and normalise a `FieldSpec` in place (it is frozen, hence `object.__setattr__`)."
     name = spec.name
     if not isinstance(name, str) or not name:
         raise SchemaError(f"field name must be a non-empty str, got {name!r} ({type(name).__name__})")
-    if spec.kind not in FIELD_KINDS: _fail(name, f"kind must be one of {FIELD_KINDS}, got {spec.kind!r}")
+    if not isinstance(spec.kind, str) or spec.kind not in FIELD_KINDS:
+        _fail(name, f"kind must be one of {FIELD_KINDS}, got {spec.kind!r}")
     if spec.dtype is not None and not isinstance(spec.dtype, torch.dtype):
         _fail(name, f"dtype must be a torch.dtype or None, got {spec.dtype!r}")
-    shape = spec.trailing_shape
-    if shape is not None:
-        if isinstance(shape, torch.Size): shape = tuple(shape)
-        if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                              for d in shape):
-            _fail(name, f"trailing_shape must be a tuple of non-negative ints or None, got {shape!r}")
-        object.__setattr__(spec, "trailing_shape", tuple(shape))
+    if spec.trailing_shape is not None: object.__setattr__(spec, "trailing_shape", _trailing_shape(name, spec.trailing_shape))
     if spec.pad_value is not None:
         pad = _as_python_scalar(spec.pad_value)
         if pad is None: _fail(name, f"pad_value must be a bool, int or float, got {spec.pad_value!r}")
@@ -204,15 +208,15 @@ def from_dict(cls: Schema, d: Mapping # the output of `to_dict()` (e.g. after a 
     "Rebuild a `Schema` from `to_dict()` output (bad input raises `SchemaError`)."
     if not isinstance(d, Mapping) or not isinstance(d.get("fields"), (list, tuple)):
         raise SchemaError(f"a schema dict needs a 'fields' list, got {type(d).__name__}")
-    if d.get("version", SCHEMA_FORMAT_VERSION) != SCHEMA_FORMAT_VERSION:
-        raise SchemaError(f"schema dict version must be {SCHEMA_FORMAT_VERSION}, got {d.get('version')!r}")
+    version = d.get("version", SCHEMA_FORMAT_VERSION)
+    if isinstance(version, bool) or version != SCHEMA_FORMAT_VERSION:
+        raise SchemaError(f"schema dict version must be {SCHEMA_FORMAT_VERSION}, got {version!r}")
     specs = []
     for i, f in enumerate(d["fields"]):
         if not isinstance(f, Mapping) or "name" not in f or "kind" not in f:
             raise SchemaError(f"schema dict fields[{i}] needs 'name' and 'kind', got {f!r}")
-        shape = f.get("trailing_shape")
         specs.append(FieldSpec(f["name"], f["kind"], dtype_from_name(f.get("dtype"), f["name"]), f.get("pad_value"),
-                               f.get("group"), None if shape is None else tuple(shape)))
+                               f.get("group"), f.get("trailing_shape")))  # FieldSpec checks (and tuples) the shape
     return cls(specs)
 
 
@@ -458,6 +462,7 @@ def scatter_many(values: list[torch.Tensor], # `[T, *trailing_f]` jagged values 
     for i, (v, pad) in enumerate(zip(values, pad_values)):
         if outs[i] is None: outs[i] = torch.full((n, width, *v.shape[1:]), pad, dtype=v.dtype, device=v.device)
         else: outs[i].fill_(pad)
+    if all(v.numel() == 0 for v in values): return outs  # no element to move: no position index either
     flats = [o.view(n * width, *o.shape[2:]) for o in outs]
     for blk in row_blocks(host_offsets, block):
         if blk[3] == blk[2]: continue
@@ -501,10 +506,8 @@ def as_lengths(lengths, # integer `(N,)` tensor or a sequence of ints
             raise TypeError(f"{name} must hold integers, got dtype {dtype_name(lengths.dtype)}")
         return lengths
     if isinstance(lengths, (list, tuple)):
-        for i, v in enumerate(lengths):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}")
-        return torch.tensor(lengths, dtype=torch.int64)
+        return torch.tensor([v if type(v) is int else check_int(f"{name}[{i}]", v) for i, v in enumerate(lengths)],
+                            dtype=torch.int64)  # plain ints pass as they are; anything else gets the shared check
     if hasattr(lengths, "dtype") and hasattr(lengths, "shape") and getattr(lengths.dtype, "kind", "") in "iu":
         return torch.as_tensor(lengths)  # an integer numpy array
     raise TypeError(f"{name} must be an integer tensor or a sequence of ints, got {type(lengths).__name__}")
@@ -585,7 +588,7 @@ def infer_schema(td: TensorDictBase # a wire batch
 
 # %% ../nbs/00_schema.ipynb #7c0d9799
 def _check_offsets(key: str, offsets: torch.Tensor, values: torch.Tensor, n: int):
-    "W2 for one group: int64 `[N+1]` on the values' device, 0 first, non-decreasing, ends at the values' length."
+    "A group's offsets: int64 `[N+1]` on the values' device, 0 first, non-decreasing, ending at the values' length."
     if offsets.dtype != torch.int64 or offsets.shape != (n + 1,):
         _fail(key, f"offsets must be int64 [{n + 1}], got {dtype_name(offsets.dtype)} {list(offsets.shape)}")
     if offsets.device != values.device:
@@ -597,7 +600,7 @@ def _check_offsets(key: str, offsets: torch.Tensor, values: torch.Tensor, n: int
 
 
 def _check_token_leaf(spec: FieldSpec, leaf, n: int):
-    "W1/W3/W7 and the declaration for one token leaf."
+    "One token leaf: a compact jagged NJT, ragged at dim 1, with its seqlen cache, as declared."
     key = spec.name
     if not is_jagged(leaf): _fail(key, f"a token field must be a jagged NJT, got {_describe(leaf)}")
     if leaf._ragged_idx != 1: _fail(key, f"the ragged dim must be dim 1, got dim {leaf._ragged_idx}")
@@ -610,7 +613,7 @@ def _check_token_leaf(spec: FieldSpec, leaf, n: int):
 
 
 def _check_dense_leaf(spec: FieldSpec, leaf, n: int):
-    "W4 and the declaration for one sample or rect leaf."
+    "One sample or rect leaf: dense `(N,)` or `(N, ...)`, as declared."
     key = spec.name
     if not isinstance(leaf, torch.Tensor) or leaf.is_nested:
         _fail(key, f"a {spec.kind} field must be a dense tensor, got {_describe(leaf)}")
@@ -622,7 +625,7 @@ def _check_dense_leaf(spec: FieldSpec, leaf, n: int):
 
 
 def _check_object_leaf(spec: FieldSpec, leaf, n: int):
-    "W5: a `NonTensorStack` of exactly N items."
+    "One object leaf: a `NonTensorStack` of exactly N items."
     if not isinstance(leaf, NonTensorStack):
         _fail(spec.name, f"an object field must be a NonTensorStack of {n} items, got {_describe(leaf)}")
     if leaf.batch_size[:1] != torch.Size([n]):
@@ -666,7 +669,7 @@ def validate(self: Schema, td: TensorDictBase # the wire batch to check
 # %% ../nbs/00_schema.ipynb #52e171f8
 @tensorclass
 class AlignmentBatch:
-    "Chunk alignment of B student/teacher token sequences: the seven seed fields, padded or jagged."
+    "Chunk alignment of B student/teacher token sequences: the reference collator's seven fields, padded or jagged."
     pair_valid: torch.Tensor  # [B, P] bool: slot c < num_chunks[b] exists
     pair_is_correct: torch.Tensor  # [B, P] bool: the chunk is exact
     student_exact_partition_mask: torch.Tensor  # [B, T_s] bool: student token of a correct 1:1 chunk
@@ -824,9 +827,7 @@ def to_padded(self: AlignmentBatch,
               T_t: int | None = None, # teacher width; None: the longest teacher row (padded input: unchanged)
              ) -> AlignmentBatch:
     "The padded form: token fields `[B, T_s]`/`[B, T_t]`, pair fields `[B, P]`, pad values of `PAD_VALUES`."
-    for arg, width in (("T_s", T_s), ("T_t", T_t)):
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 0):
-            raise ValueError(f"{arg} must be a non-negative int or None, got {width!r}")
+    T_s, T_t = (check_int(arg, width, minimum=0, optional=True) for arg, width in (("T_s", T_s), ("T_t", T_t)))
     if self.layout == "padded":
         if T_s is None and T_t is None: return self
         fields = {**_repad_axis(self, "student", T_s), **_repad_axis(self, "teacher", T_t)}
