@@ -50,7 +50,7 @@ def one_hot_chunk_average(values: torch.Tensor, # [B, T, V]
                           chunk_id: torch.Tensor, # [B, T] ids in [-1, C)
                           max_chunks: int, # C
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The anchor's route, as the baseline: a one-hot `[B, C, T]` matrix, a `bmm` and a division by the sizes."
+    "The baseline (the reference loss implementation's route): one-hot `[B, C, T]`, a `bmm`, a division by the sizes."
     one_hot = (chunk_id[:, None, :] == torch.arange(max_chunks, device=chunk_id.device)[None, :, None]).to(values.dtype)
     sizes = one_hot.sum(-1)
     return torch.bmm(one_hot, values) / sizes.clamp_min(1)[..., None], sizes
@@ -187,7 +187,7 @@ def case_row(ours: dict, base: dict | None) -> dict:
 
 
 def check_targets(rows: list[dict], target_seq: int) -> list[dict]:
-    "The §10 targets, measured: time and memory at `target_seq`, and 'never more than 2x slower' everywhere."
+    "The chunk-averaging targets, measured: time and memory at `target_seq`, and 'never more than 2x slower' everywhere."
     out = []
     for r in rows:
         if r["time_ratio_x"] is None: continue
@@ -278,7 +278,7 @@ def run(argv: list[str] | None = None # --quick, --repeats, --threads (default 2
                         help="skip the baseline of cases above this many FLOPs (default %(default)g); T=4096 V=8192 "
                              "is always measured")
     args = parser.parse_args(argv)
-    threads = 2 if args.threads is None else args.threads  # the spec states the CPU targets for 2 threads
+    threads = 2 if args.threads is None else args.threads  # the CPU targets are stated for 2 threads
     if threads < 1: raise SystemExit(f"--threads must be >= 1, got {threads}")
     repeats = repeats_of(args) if args.repeats is not None or args.quick else 3
     cases = QUICK_CASES if args.quick else FULL_CASES

@@ -1,4 +1,4 @@
-"""`python -m xtoken_dp.bench collate [--quick]`: how much of the collator's batch time the alignment takes, with one teacher and with three (aligner.md §10, B5).
+"""`python -m xtoken_dp.bench collate [--quick]`: how much of the collator's batch time the alignment takes, with one teacher and with three.
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/bench_collate.html.md"""
 

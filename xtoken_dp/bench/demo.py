@@ -32,7 +32,7 @@ def demo_phases(
     wall = time.perf_counter() - start
     timings = result.results["timings"]
     return dict(wall_s=wall, load_before=load_before, load_after=os.getloadavg(), phases={k: timings.get(k, 0.0) for k in PHASES},
-                student_phases={k: timings.get(f"  {k}", 0.0) for k in STUDENT_PHASES}, b8=result.results["b8"],
+                student_phases={k: timings.get(f"  {k}", 0.0) for k in STUDENT_PHASES}, quality_bar=result.results["b8"],
                 best_delta=result.results["b8"]["best_delta"])
 
 # %% ../../nbs/12f_bench_demo.ipynb #a1ad1653
