@@ -1,6 +1,6 @@
 """Projection caches: thread safety, fork scope, replacement by rename, symlinks, key contents.
 
-The notebook `06_caches.ipynb` covers the single-threaded behaviour (P5-P8); this file hosts what needs real threads,
+The notebook `06_caches.ipynb` covers the single-threaded behaviour; this file hosts what needs real threads,
 real forked processes and file-system tricks.
 """
 import gc, multiprocessing as mp, os, threading, time, warnings, weakref
@@ -140,7 +140,7 @@ def test_argument_errors(projection):
     with pytest.raises(TypeError): get_sparse_projection_matrix(projection, "cpu", 3, 3)
     with pytest.raises(TypeError, match="teacher_vocab_size"):
         get_sparse_projection_matrix(projection, "cpu", student_vocab_size=3, teacher_vocab_size=True)
-    with pytest.raises(ValueError, match="student_vocab_size must be >= 0"):
+    with pytest.raises(ValueError, match="student_vocab_size: expected an int >= 0"):
         get_sparse_projection_matrix(projection, "cpu", student_vocab_size=-1, teacher_vocab_size=3)
     with pytest.raises(TypeError, match="xtoken_loss"):
         build_exact_token_map(projection, "cpu", xtoken_loss=1, teacher_vocab_size=3)
@@ -165,3 +165,15 @@ def test_cuda_device_is_normalised(projection):
     torch.testing.assert_close(m.to_dense().cpu(), cpu.to_dense())
     e = build_exact_token_map(projection, "cuda", xtoken_loss=True, teacher_vocab_size=3)
     assert e["common_student"].device.type == "cuda"
+
+
+def test_getters_refuse_a_file_whose_metadata_contradicts_its_tensors(tmp_path):
+    from xtoken_dp.projection import ProjectionFileError
+    path = write(tmp_path / "claims.pt", [[1, -1], [2, 0]], [[1.0, 0.0], [0.7, 0.3]], student_vocab_size=5_000_000_000)
+    for get in (lambda: get_topk_projection(path, "cpu"),
+                lambda: get_sparse_projection_matrix(path, "cpu", student_vocab_size=2, teacher_vocab_size=3),
+                lambda: build_exact_token_map(path, "cpu", xtoken_loss=True, teacher_vocab_size=3)):
+        with pytest.raises(ProjectionFileError, match=rf"{path}: student_vocab_size: expected 2, the rows of 'indices', "
+                                                      rf"found 5000000000"):
+            get()
+    assert cache_info() == {"sparse_projection": 0, "topk_projection": 0, "exact_token_map": 0}

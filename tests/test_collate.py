@@ -1,7 +1,8 @@
-"""Acceptance tests of aligner.md §8–9 for the collator (cases 8–10 and 22–25, 29) with real tokenizers, and a
-property test over awkward texts (60 examples; 500 with `XTOKEN_DP_TEST_FLAGS=slow`).
+"""The collator with real tokenizers: both forms and N teachers, configuration errors, text sources, the padded and
+jagged layouts, the common cut, chat mode, `tokenize_padded`, and a property test over awkward texts (60 examples;
+500 with `XTOKEN_DP_TEST_FLAGS=slow`).
 
-DataLoader workers (case 26) are in test_collate_workers.py.
+DataLoader workers are in test_collate_workers.py.
 """
 import os, pickle, sys, warnings
 from pathlib import Path
@@ -55,7 +56,7 @@ def assert_same(a: dict, b: dict):
         else: assert list(a[k]) == list(b[k]), k
 
 
-# ---- case 22: keys, dtypes and lengths ----
+# ---- keys, dtypes and lengths ----
 
 def test_keys_dtypes_widths():
     c = CrossTokenizerCollator(student_tokenizer=tok("mistral_spm"), teacher_tokenizer=tok("qwen2"),
@@ -86,7 +87,7 @@ def test_pad_to_longest_and_divisors():
     assert out["teacher_0_input_ids"].shape[1] % 5 == 0 and out["teacher_0_input_ids"].shape[1] - int(out["teacher_0_input_lengths"].max()) < 5
 
 
-# ---- case 8: pad == eos; case 10: empty text ----
+# ---- pad == eos; empty text ----
 
 def test_pad_is_eos_for_mistral_spm():
     c = collator(ctx=12)
@@ -118,7 +119,7 @@ def test_loss_multiplier_passes_through():
     assert out["sample_mask"].tolist() == [0.0, 1.0, 1.0]
 
 
-# ---- case 9: one common cut for the student and every cross teacher ----
+# ---- one common cut for the student and every cross teacher ----
 
 def _cuts(sp, L):
     ok = np.ones(L + 1, bool)
@@ -159,7 +160,7 @@ def test_common_cut_with_two_teachers_is_the_largest():
     assert np.array_equal(c.last_stats.dropped_bytes, out["dropped_bytes"].numpy())
 
 
-# ---- case 23: N teachers, same-vocab teachers, mismatches ----
+# ---- N teachers, same-vocab teachers, mismatches ----
 
 def test_two_cross_one_same_vocab_teacher():
     c = collator(teachers=("qwen2", "mistral_spm", "mistral_tekken"), ctx=160, teacher_ctx=160)
@@ -203,9 +204,9 @@ def test_mismatches_raise():
     with pytest.raises(ValueError, match="either the single-teacher arguments or the list"):
         CrossTokenizerCollator(**base, teacher_tokenizer=qwen, aligner=aligner("mistral_spm", "qwen2"),
                                ctx_length_teacher=16, aligners=[None])
-    with pytest.raises(ValueError, match=r"ctx_length_teachers\[0\] must be an int >= 1 for a cross-tokenizer teacher, got None"):
+    with pytest.raises(ValueError, match=r"ctx_length_teachers\[0\]: expected an int >= 1 for a cross-tokenizer teacher, got None"):
         CrossTokenizerCollator(**base, teacher_tokenizers=[qwen], aligners=[aligner("mistral_spm", "qwen2")])
-    with pytest.raises(ValueError, match="ctx_length_teacher must exceed the 1 template special"):
+    with pytest.raises(ValueError, match=r"ctx_length_teacher: expected an int > 1 \(the 1 template special"):
         CrossTokenizerCollator(**base, teacher_tokenizer=tekken, aligner=aligner("mistral_spm", "mistral_tekken"),
                                ctx_length_teacher=1)
     with pytest.raises(TypeError, match=r"aligners\[0\] must be a TokenAligner or None"):
@@ -216,6 +217,15 @@ def test_mismatches_raise():
     with pytest.raises(ValueError, match="pad_to must be 'ctx' or 'longest'"):
         CrossTokenizerCollator(**base, teacher_tokenizer=qwen, aligner=aligner("mistral_spm", "qwen2"),
                                ctx_length_teacher=16, pad_to="max")
+    with pytest.raises(TypeError, match="keep_text: expected a bool, got str 'yes'"):
+        CrossTokenizerCollator(**base, teacher_tokenizer=qwen, aligner=aligner("mistral_spm", "qwen2"),
+                               ctx_length_teacher=16, keep_text="yes")
+    with pytest.raises(ValueError, match=r"make_seq_div_by_teachers\[0\]: expected an int >= 1, got 0"):
+        CrossTokenizerCollator(**base, teacher_tokenizers=[qwen], aligners=[aligner("mistral_spm", "qwen2")],
+                               ctx_length_teachers=[16], make_seq_div_by_teachers=[0])
+    with pytest.raises(TypeError, match="ctx_length_student: expected an int >= 1, got float 16.0"):
+        CrossTokenizerCollator(student_tokenizer=spm, ctx_length_student=16.0, teacher_tokenizer=qwen,
+                               aligner=aligner("mistral_spm", "qwen2"), ctx_length_teacher=16)
 
 
 def test_no_pad_id_is_refused():
@@ -233,7 +243,7 @@ def test_template_counts_match_the_aligner(name):
     assert template_special_counts(tok(name)) == template_specials(tok(name))
 
 
-# ---- case 24: text sources ----
+# ---- text sources ----
 
 def test_text_sources():
     c = collator()
@@ -254,7 +264,32 @@ def test_text_sources():
         c({"text": "a"})
 
 
-# ---- case 25: materialize(jagged) == padded; tokenizers unchanged ----
+@pytest.mark.parametrize("output", ["padded", "jagged"])
+@pytest.mark.parametrize("bad", ["caf\udce9", "\ud800", "ok \udfff end"])
+def test_text_without_utf8_is_named_by_datum(output, bad):
+    from xtoken_dp.tokenizers import InvalidTextError
+    c = collator(teachers=("qwen2", "mistral_spm", "mistral_tekken"), output=output)
+    for batch, where in (([{"text": "a"}, {"text": bad}], r"batch\[1\]\['text'\]"),
+                         ([{"text": "a"}, {"text": "b"}, {"message_log": [{"role": "user", "content": bad}]}],
+                          r"batch\[2\]\['message_log'\]\[0\]\['content'\]")):
+        with pytest.raises(InvalidTextError, match=rf"^{where}: not valid Unicode: character \d+ is the lone surrogate "
+                                                   rf"U\+D[89A-F]") as info:
+            c(batch)
+        assert isinstance(info.value, ValueError) and info.value.__suppress_context__
+        assert "TextEncodeInput" not in str(info.value)
+    assert c([{"text": "a"}, {"text": "b"}])["input_lengths"].shape == (2,)   # the collator is still usable
+
+
+def test_chat_text_without_utf8_is_named_by_message():
+    c = CrossTokenizerCollator(student_tokenizer=tok("qwen2"), teacher_tokenizer=tok("mistral_spm"),
+                               aligner=aligner("qwen2", "mistral_spm"), ctx_length_student=64, ctx_length_teacher=64,
+                               chat=True)
+    log = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad \udcff"}]
+    with pytest.raises(ValueError, match=r"^batch\[1\]\['message_log'\]\[1\]\['content'\]: not valid Unicode: character 4"):
+        c([{"message_log": log[:1] + [{"role": "assistant", "content": "ok"}]}, {"message_log": log}])
+
+
+# ---- materialize(jagged) == padded; tokenizers unchanged ----
 
 @pytest.mark.parametrize("teachers", [("qwen2",), ("qwen2", "mistral_spm", "mistral_tekken")], ids=["one", "three"])
 @pytest.mark.parametrize("pad_to", ["ctx", "longest"])
@@ -271,7 +306,7 @@ def test_materialize_equals_padded(teachers, pad_to):
     assert list(back["text"]) == [d["text"] for d in batch]
     del back["text"]
     assert_same(back, padded)
-    for group, keys in jc.schema().groups().items():  # one offsets object per group (D2)
+    for group, keys in jc.schema().groups().items():  # one offsets object per group
         assert len({id(wire.get(k).offsets()) for k in keys}) == 1, group
     natural = dict(kw, pad_to="longest", make_seq_div_by_student=1)
     flat = collator(**natural)(batch)
@@ -331,18 +366,25 @@ def test_outputs_do_not_depend_on_batch_composition():
             else: assert torch.equal(v[0], whole[k][b]), k
 
 
-# ---- the seed's _tokenize_batch ----
+# ---- tokenize_padded, the reference collator's _tokenize_batch ----
 
 def test_tokenize_batch_seed_semantics():
     ids, mask = CrossTokenizerCollator._tokenize_batch(["Hello world", ""], tok("mistral_spm"), 10, 8)
     assert ids.shape == mask.shape == (2, 16) and ids.dtype == mask.dtype == torch.int64
     assert mask.sum(1).tolist() == [3, 1] and (ids[mask == 0] == 2).all()
-    with pytest.warns(TruncationWarning, match="truncated 1 of 2 rows to ctx_length=3"):
+    with pytest.warns(TruncationWarning, match="^truncated 1 of 2 rows to ctx_length=3") as caught:
         ids, mask = tokenize_padded(["one two three four", "hi"], tok("mistral_spm"), 3)
+    assert "_tokenize_batch" not in str(caught[0].message)
     assert ids[0].tolist() == tok("mistral_spm")("one two")["input_ids"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tokenize_padded(["hi"], tok("qwen2"), 4, 1)  # nothing cut: no warning
+    with pytest.raises(ValueError, match=r"^ctx_length: expected an int > 1 \(the 1 template special token\(s\) of tokenizer"):
+        tokenize_padded(["hi"], tok("mistral_spm"), 1)
+    with pytest.raises(TypeError, match="^make_seq_div_by: expected an int >= 1, got float"):
+        tokenize_padded(["hi"], tok("mistral_spm"), 4, 2.0)
+    with pytest.raises(ValueError, match=r"^texts\[1\]: not valid Unicode"):
+        tokenize_padded(["hi", "\udcff"], tok("mistral_spm"), 4)
 
 
 @requires_bert
@@ -366,7 +408,7 @@ def test_pickle_round_trip_and_stats():
     assert tokenizer_fingerprint(clone.student_tokenizer) == tokenizer_fingerprint(tok("mistral_spm"))
 
 
-# ---- case 29: chat mode ----
+# ---- chat mode ----
 
 def _chat_collator(student, teacher, **kw):
     return CrossTokenizerCollator(student_tokenizer=tok(student), teacher_tokenizer=tok(teacher),

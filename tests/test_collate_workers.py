@@ -1,4 +1,4 @@
-"""aligner.md §9 case 26 and §8.5: the collator in `DataLoader` workers (fork and spawn) gives the batches of
+"""The collator in `DataLoader` workers (fork and spawn) gives the batches of
 `num_workers=0`, in both layouts and in chat mode. Library-loaded tokenizers travel by reference.
 
 A spawn worker costs seconds to start, so the default run spawns for the jagged layout only (it pickles the same

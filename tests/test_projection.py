@@ -1,8 +1,9 @@
-"""Projection files and the pure cores: safety, parsing, and property tests against plain reference implementations.
+"""Projection files and the pure cores: safety, parsing, declared sizes, and property tests against plain reference
+implementations.
 
 The builder on real tokenizers is in `test_projection_builder.py`, the command line in `test_projection_cli.py`.
 """
-import os, re, subprocess, sys, warnings
+import collections, os, re, subprocess, sys, textwrap, warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,20 +11,27 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from xtoken_dp.projection import (UnsafeProjectionFileError, accumulate_triplets, exact_token_map_from_topk,
-                                  load_projection_object, parse_projection_file, projection_invariant_violations,
-                                  read_projection_metadata, sort_and_cut, sparse_projection_from_coo)
+from xtoken_dp.projection import (ProjectionFileError, UnsafeProjectionFileError, accumulate_triplets,
+                                  check_projection_metadata, describe_projection_file, exact_token_map_from_topk,
+                                  load_dense_projection, load_projection_object, parse_projection_file,
+                                  projection_invariant_violations, read_projection_metadata, sort_and_cut,
+                                  sparse_projection_from_coo)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("XTOKEN_DP_HYPOTHESIS_EXAMPLES", "60"))
 
 
-# ---------------------------------------------------------------- P4: safety
+# ---------------------------------------------------------------- safety
 
 class Sentinel:
     "Unpickling this would create a file; a safe loader must never do it."
     def __init__(self, path): self.path = str(path)
     def __reduce__(self): return (Path.touch, (Path(self.path),))
+
+
+class Printer:
+    "Unpickling this would print."
+    def __reduce__(self): return (print, ("unpickled",))
 
 
 def test_custom_class_is_refused_and_never_run(tmp_path):
@@ -36,9 +44,23 @@ def test_custom_class_is_refused_and_never_run(tmp_path):
     assert isinstance(info.value, ValueError)
     assert str(path) in str(info.value) and "convert" in str(info.value)
     assert not marker.exists()
-    for reader in (read_projection_metadata, load_projection_object):
+    for reader in (read_projection_metadata, load_projection_object, load_dense_projection, describe_projection_file):
         with pytest.raises(UnsafeProjectionFileError): reader(path)
     assert not marker.exists()
+
+
+def test_refusal_names_the_file_and_every_global(tmp_path):
+    path = tmp_path / "two.pt"
+    torch.save({"indices": torch.zeros(1, 1, dtype=torch.long), "likelihoods": torch.ones(1, 1),
+                "a": Sentinel(tmp_path / "m1"), "b": Printer()}, path)
+    with pytest.raises(UnsafeProjectionFileError) as info:
+        parse_projection_file(path)
+    e = info.value
+    assert e.path == str(path) and {"builtins.print", "pathlib.Path"} <= set(e.unsafe_globals)
+    for name in e.unsafe_globals: assert repr(name) in str(e)
+    assert not (tmp_path / "m1").exists()
+    assert str(path) in str(e) and "weights_only=True" in str(e) and "--trust-source" in str(e)
+    assert UnsafeProjectionFileError.__doc__ and "names the file" in UnsafeProjectionFileError.__doc__
 
 
 def test_numpy_scalar_keys_and_values_load(tmp_path):
@@ -80,7 +102,7 @@ def test_corrupt_and_missing_files(tmp_path):
         parse_projection_file(tmp_path / "absent.pt")
 
 
-# ---------------------------------------------------------------- P1-P3 through real files
+# ---------------------------------------------------------------- parsing real files
 
 def test_int32_indices_and_half_weights_are_widened(tmp_path):
     path = tmp_path / "d.pt"
@@ -114,6 +136,124 @@ def test_invalid_files_name_the_field(tmp_path, obj, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         parse_projection_file(path)
 
+
+# ---------------------------------------------------------------- declared sizes against the tensors
+
+DENSE = {"indices": torch.tensor([[0, 1], [2, -1], [-1, -1]]), "likelihoods": torch.tensor([[.5, .5], [1., 0.], [0., 0.]])}
+READERS = [read_projection_metadata, parse_projection_file, load_dense_projection, describe_projection_file]
+
+
+@pytest.mark.parametrize("metadata, field, expected, found", [
+    ({"student_vocab_size": 4}, "student_vocab_size", "3, the rows of 'indices'", "4"),
+    ({"teacher_vocab_size": 2}, "teacher_vocab_size", ">= 3, one more than the largest teacher id", "2"),
+    ({"teacher_vocab_size": 5e9}, "teacher_vocab_size", "an int, >= 3", "float 5000000000.0"),
+    ({"teacher_vocab_size": 5_000_000_000, "report": {"teacher_vocab_size": 3}}, "report['teacher_vocab_size']",
+     "5000000000, as 'teacher_vocab_size' declares", "3"),
+    ({"report": {"student_vocab_size": 5_000_000_000}}, "report['student_vocab_size']", "3", "5000000000"),
+    ({"builder": {"top_k": 4}}, "builder['top_k']", "2, the slots per row", "4"),
+    ({"report": {"top_k": -1}}, "report['top_k']", "2", "-1"),
+    ({"report": {"nonempty_rows": 3}}, "report['nonempty_rows']", "2, the rows of 'indices' holding a teacher id", "3"),
+    ({"report": {"empty_rows": 0}}, "report['empty_rows']", "1", "0"),
+    ({"report": {"entries_per_row": [1, 1, 1]}}, "report['entries_per_row']", "[1, 1, 1]", None),
+    ({"report": {"entries_per_row": [1, 1, 2]}}, "report['entries_per_row']", "[1, 1, 1], counted", "[1, 1, 2]"),
+    ({"report": {"exact_rows": 2}, "exact_student_ids": torch.tensor([1])}, "report['exact_rows']", "1", "2"),
+    ({"exact_student_ids": torch.tensor([3])}, "exact_student_ids", "row ids in [0, 3)", "ids from 3 to 3"),
+    ({"exact_student_ids": torch.tensor([[1]])}, "exact_student_ids", "a 1-D integer tensor", "a Tensor with 2 dimensions"),
+    ({"report": "fine"}, "report", "a dict", "str"),
+])
+def test_declared_sizes_must_match_the_tensors(tmp_path, metadata, field, expected, found):
+    path = tmp_path / "declares.pt"
+    torch.save({**DENSE, **metadata}, path)
+    if found is None:                                                  # consistent: every reader accepts it
+        for reader in READERS: reader(path)
+        return
+    for reader in READERS:
+        with pytest.raises(ProjectionFileError) as info:
+            reader(path)
+        e = info.value
+        assert isinstance(e, ValueError) and (e.path, e.field) == (str(path), field)
+        assert expected in str(e.expected) and str(e.found).startswith(found)
+        assert str(e).startswith(f"{path}: {field}: expected ")
+
+
+def test_consistent_metadata_of_a_built_file_passes(tmp_path):
+    from xtoken_dp.projection import build_projection, PieceVocabulary
+    pieces = [None, None, b"a", b"b", b"ab", b" "]
+    encode = lambda texts: [[{"a": 2, "b": 3, " ": 5}[c] for c in t] for t in texts]
+    vocab = PieceVocabulary(pieces, {0: ("bos",), 1: ("eos",)}, False, encode, "toy")
+    built = build_projection(vocab, vocab, progress=False)
+    path = built.save(tmp_path / "built.pt")
+    meta = read_projection_metadata(path)
+    assert meta["report"]["top_k"] == 4 and meta["student_vocab_size"] == len(pieces)
+    assert "exact map" in describe_projection_file(path)
+
+
+def test_inspect_allocates_nothing_for_a_declared_vocabulary(tmp_path):
+    "A file may declare a teacher vocabulary far larger than its ids: inspect must not size anything by it."
+    path, warm = tmp_path / "big.pt", tmp_path / "warm.pt"
+    torch.save({**DENSE, "teacher_vocab_size": 5_000_000_000}, path)
+    torch.save(DENSE, warm)
+    script = textwrap.dedent(f"""
+        import re, resource
+        from xtoken_dp.projection import describe_projection_file
+        describe_projection_file({str(warm)!r})      # imports and a first parse happen before the limit
+        vm = int(re.search(r"VmSize:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 768 * 2**20, resource.RLIM_INFINITY))   # 5 GB cannot fit
+        text = describe_projection_file({str(path)!r})
+        assert "teacher vocab 5,000,000,000" in text, text
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class TensorOfDeclaredShape:
+    "Pickles as a tensor whose declared shape is far larger than the 32 bytes of data the file holds."
+    def __reduce__(self):
+        storage = torch.storage.TypedStorage(wrap_storage=torch.zeros(4, dtype=torch.long).untyped_storage(),
+                                             dtype=torch.long, _internal=True)
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, (2_500_000_000, 2), (2, 1), False, collections.OrderedDict()))
+
+
+def test_a_tensor_shape_beyond_its_data_is_refused(tmp_path):
+    path = tmp_path / "shape.pt"
+    torch.save({"indices": TensorOfDeclaredShape(), "likelihoods": torch.zeros(1, 2)}, path)
+    for reader in READERS:
+        with pytest.raises(ValueError, match=re.escape(str(path))): reader(path)
+
+
+@st.composite
+def odd_values(draw):
+    "Scalars, tensors of any dtype and shape, and small containers of them: what a malformed file may hold."
+    dtype = draw(st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.bool, torch.float32, torch.float16,
+                                  torch.complex64]))
+    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    tensor = (torch.arange(int(np.prod(shape)) if shape else 1) - 2).reshape(shape or ()).to(dtype)
+    scalar = draw(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=3)))
+    return draw(st.sampled_from([tensor, scalar, [scalar, tensor], {"top_k": scalar}, (scalar,), {scalar: tensor}
+                                 if not isinstance(scalar, float) else {}]))
+
+
+KEYS = ["indices", "likelihoods", "exact_student_ids", "student_vocab_size", "teacher_vocab_size", "builder", "report"]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                     HealthCheck.too_slow])
+@given(obj=st.one_of(
+    st.dictionaries(st.sampled_from(KEYS), odd_values(), max_size=5),
+    st.builds(lambda extra: {**DENSE, **extra}, st.dictionaries(st.sampled_from(KEYS[2:]), odd_values(), max_size=3)),
+    st.dictionaries(st.tuples(st.integers(-3, 2**64), st.integers(-3, 5)), odd_values(), max_size=3),
+    odd_values()))
+def test_malformed_files_raise_value_errors_only(tmp_path, obj):
+    path = tmp_path / "odd.pt"
+    torch.save(obj, path)
+    for reader in READERS:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                reader(path)
+        except ValueError as e:
+            assert str(path) in str(e) or "projection" in str(e), str(e)
 
 # ---------------------------------------------------------------- property tests against references
 
@@ -158,7 +298,7 @@ def test_sparse_matrix_equals_dense_reference(tmp_path, data, extra_s, extra_t, 
 
 def exact_map_reference(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
                         tol=1e-6, threshold=0.6, certified=None):
-    "Projection spec §4.3 transcribed row by row, in plain Python."
+    "The strict and relaxed exact-map rules transcribed row by row, in plain Python."
     winners = {}
     for s, (ids, ws) in enumerate(zip(indices.tolist(), likelihoods.tolist())):
         live = [(w if t >= 0 else 0.0) for t, w in zip(ids, ws)]

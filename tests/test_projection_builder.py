@@ -1,4 +1,4 @@
-"""The projection builder on real tokenizers: P9-P12 of the projection spec.
+"""The projection builder on real tokenizers: multi-piece rows, specials, canonical bytes and determinism.
 
 Small tokenizers are trained locally (BPE training is deterministic and cached); the real pair mistral_spm ->
 mistral_tekken comes from the `mistral-common` wheel. Set `XTOKEN_DP_TEST_FLAGS=slow` to also run the thread
@@ -32,7 +32,7 @@ def same(a, b):
     assert strip(a.metadata) == strip(b.metadata)
 
 
-# ---------------------------------------------------------------- small tokenizers (P9, P11)
+# ---------------------------------------------------------------- small tokenizers
 
 DIGIT_CORPUS = toy_corpus(max_bytes=60_000) + ["123 4123 1234 123123 x123 123."] * 300
 
@@ -128,7 +128,7 @@ def test_unigram_metaspace_student(digit_pair):
         assert build.report.exact_rows > 100
 
 
-# ---------------------------------------------------------------- the real pair (P10, P12)
+# ---------------------------------------------------------------- the real pair
 
 @pytest.fixture(scope="module")
 def mistral_pair():
@@ -163,7 +163,7 @@ BUILD_IN_SUBPROCESS = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[3]))
 from xtoken_dp.projection import build_projection_file
-from xtoken_dp.bench_projection import load_bench_tokenizer
+from xtoken_dp.bench.projection import load_bench_tokenizer
 build_projection_file(load_bench_tokenizer(sys.argv[1]), load_bench_tokenizer(sys.argv[2]), sys.argv[4],
                       progress=False, encode_batch_size=int(sys.argv[5]))
 """

@@ -82,7 +82,7 @@ def test_unknown_tokenizer_name_exits_2(tmp_path, capsys):
 def test_invalid_parameter_exits_1(toy_dirs, tmp_path, capsys):
     code, _, err = run(["build", "--student", str(toy_dirs["student"]), "--teacher", str(toy_dirs["teacher"]),
                         "--out", str(tmp_path / "x.pt"), "--top-k", "0", "--no-progress"], capsys)
-    assert code == 1 and "top_k must be >= 1" in err
+    assert code == 1 and "top_k: expected an int >= 1" in err
 
 
 def test_inspect_errors_exit_1(tmp_path, capsys):

@@ -1,9 +1,10 @@
-"""Acceptance tests of tokenizers.md §11 with the real tokenizers (K1, K2, K4–K6, K8, K10, K11, K13, K14, K16).
+"""The tokenizers with the real vocabularies: lengths and special ids, golden tables, templates, special strings as
+content, the cache, errors, span quirks, toy tokenizers, `describe_tokenizer`, roles and the transformers 5 traps.
 
-Multi-process tests (K7, K9, K15) are in test_tokenizers_procs.py, parity with the upstream encoders (K3) in
-test_tokenizers_parity.py, property tests (K12) in test_tokenizers_props.py.
+Multi-process tests are in test_tokenizers_procs.py, parity with the upstream encoders in test_tokenizers_parity.py,
+property tests in test_tokenizers_props.py.
 """
-import json, os, shutil, socket, subprocess, sys, importlib.metadata, warnings
+import json, os, re, shutil, socket, subprocess, sys, importlib.metadata, warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ def pieces(t, spans):
             zip(spans.ids, spans.start, spans.end, spans.exact)]
 
 
-# ---- K1: lengths and special ids ----
+# ---- lengths and special ids ----
 
 EXPECTED_SPECIALS = {
     "mistral_tekken": (131072, {"<unk>": 0, "<s>": 1, "</s>": 2, "[INST]": 3, "[/INST]": 4, "<pad>": 11},
@@ -50,7 +51,7 @@ def test_k1_length_and_special_ids(name):
     assert len(piece_bytes_table(t)) == size
 
 
-# ---- K2 / K10: the golden tables from the upstream encoders ----
+# ---- the golden tables from the upstream encoders ----
 
 GOLDEN_FILE = json.loads((FIXTURES / "golden_tokens.json").read_text())
 
@@ -102,7 +103,7 @@ def test_k10_byte_spans_on_golden_bert():
     assert b["東"][2] and b["def"][2]                        # untouched by the normaliser: exact
 
 
-# ---- K4: templates and overrides ----
+# ---- templates and overrides ----
 
 def test_k4_templates():
     assert tok("mistral_tekken")("a")["input_ids"][0] == 1
@@ -129,7 +130,7 @@ def test_k4_bert_template():
     assert pair["input_ids"][0] == 101 and pair["input_ids"].count(102) == 2
 
 
-# ---- K5: special-token strings in raw text are content ----
+# ---- special-token strings in raw text are content ----
 
 @pytest.mark.parametrize("name", real_params())
 def test_k5_special_strings_are_content(name):
@@ -150,7 +151,7 @@ def test_k5_special_strings_are_content(name):
         assert all(chr(b).isspace() for b in np.frombuffer(text, np.uint8)[~covered])
 
 
-# ---- K6: the cache ----
+# ---- the cache ----
 
 def _spy_builders(monkeypatch):
     calls = []
@@ -214,7 +215,7 @@ def test_k6_named_specials_survive_reload_t8():
     assert (t.eos_token, t.pad_token, t.bos_token) == ("<|endoftext|>", "<|endoftext|>", None)
     entry = Path(t.__dict__["_xtoken_dp_reference"].entry)
     bare = T.PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"))
-    assert bare.eos_token is None                                 # the trap T8 guards against
+    assert bare.eos_token is None                                 # why the named specials come from meta.json
 
 
 def test_cache_root_and_available(tmp_path, monkeypatch):
@@ -229,7 +230,7 @@ def test_cache_root_and_available(tmp_path, monkeypatch):
     assert T.tokenizer_cache_root() == Path.home() / ".cache" / "xtoken_dp"
 
 
-# ---- K8: errors ----
+# ---- errors ----
 
 class _FakeDist:
     def __init__(self, version, root): self.version, self.root = version, root
@@ -284,7 +285,62 @@ def test_k8_argument_errors():
     with pytest.raises(ValueError, match="path: expected 'auto' or 'generic'"): token_byte_spans(tok("qwen2"), "a", path="x")
 
 
-# ---- K11: quirk cases ----
+
+# ---- text that is not valid Unicode, files that are not tokenizers ----
+
+INVALID_TEXTS = ["a\ud800b", "\udcff", "tail \udfff", "\ud83d"]   # lone surrogates, a surrogateescape byte, half an emoji
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral_spm", "bpe_bytelevel", "unigram_metaspace", "wordpiece_toy"])
+@pytest.mark.parametrize("bad", INVALID_TEXTS)
+def test_text_without_utf8_is_named_by_position(name, bad):
+    t = tok(name)
+    for call, where in ((lambda: T.batch_token_byte_spans(t, ["ok", "fine", bad]), "texts[2]"),
+                        (lambda: token_byte_spans(t, bad), "text"),
+                        (lambda: T.encode_for_spans(t, ["ok", bad]), "texts[1]"),
+                        (lambda: T.batch_token_byte_spans(t, ["ok", bad], path="generic"), "texts[1]")):
+        with pytest.raises(T.InvalidTextError, match=rf"^{re.escape(where)}: not valid Unicode: character \d+ is the "
+                                                     rf"lone surrogate U\+D[89A-F][0-9A-F]{{2}}") as info:
+            call()
+        assert isinstance(info.value, ValueError) and info.value.__suppress_context__   # no binding traceback
+    assert len(T.batch_token_byte_spans(t, ["ok", "fine"])) == 2      # nothing was left half-done
+
+
+def test_text_without_utf8_with_precomputed_encodings():
+    t = tok("qwen2")
+    encs = T.encode_for_spans(t, ["a", "b"])
+    with pytest.raises(T.InvalidTextError, match=r"texts\[1\]"):
+        T.batch_token_byte_spans(t, ["a", "b\udcff"], encodings=encs)
+    try: token_byte_spans(t, "xy\ud800")
+    except T.InvalidTextError as e: assert (e.where, e.index, "character 2" in e.reason) == ("text", 0, True)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01\xfe\xff garbage", "expected UTF-8 JSON text, got byte 0xfe at offset 2"),
+    (b'{"version": "1.0", "model": {"type": "BPE", "vo', "invalid JSON at line 1"),
+    (b"", "invalid JSON at line 1, column 1"),
+    (b'"a string"', "expected a JSON object with a 'model' object"),
+    (b'{"added_tokens": []}', "got an object with keys ['added_tokens']"),
+    (b'{"model": {"type": "WordPiece", "vocab": 7}}', "cannot build a tokenizer from this tokenizer.json"),
+])
+@pytest.mark.parametrize("as_folder", [False, True])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, content, message, as_folder):
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        load_tokenizer_file(tmp_path if as_folder else tmp_path / "tokenizer.json")
+    assert type(info.value) is ValueError and str(tmp_path / "tokenizer.json") in str(info.value)
+
+
+def test_corrupt_meta_json_names_the_file(tmp_path):
+    dest = tmp_path / "u"
+    shutil.copytree(FIXTURES / "toy_unigram_metaspace", dest)
+    (dest / "meta.json").write_text('{"special_tokens": {"eos_token": "<|endoftext|>"')
+    with pytest.raises(ValueError, match=re.escape(f"{dest / 'meta.json'}: not a meta.json: invalid JSON")):
+        load_tokenizer_file(dest)
+    (dest / "meta.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a meta.json: expected a JSON object"): load_tokenizer_file(dest)
+
+# ---- quirk cases ----
 
 def test_k11_sentencepiece_quirks():
     spm = tok("mistral_spm")
@@ -334,7 +390,7 @@ def test_metaspace_lone_marker_and_unknown_characters():
     assert unk.any() and not sp.exact[unk].any() and (sp.role[unk] == 0).all()
 
 
-# ---- K13: toy tokenizers ----
+# ---- toy tokenizers ----
 
 def test_k13_bpe_training_is_deterministic(tmp_path):
     corpus = T.toy_corpus(max_bytes=80_000)
@@ -368,7 +424,7 @@ def test_k13_corrupt_fixture_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sha256 mismatch"): load_tokenizer_file(dest)
 
 
-# ---- K14: describe_tokenizer ----
+# ---- describe_tokenizer ----
 
 @pytest.mark.parametrize("name,family,normalizer,bos,eos,digits", [
     ("qwen2", "byte_level_bpe", ("NFC",), False, False, "single"),
@@ -390,7 +446,7 @@ def test_k14_describe(name, family, normalizer, bos, eos, digits):
     json.dumps(info.to_dict())
 
 
-# ---- roles (§6) ----
+# ---- roles ----
 
 def test_roles_and_chat_templates():
     assert special_token_roles(tok("qwen2"))[151643] == ("eos", "pad")
@@ -447,7 +503,7 @@ def test_unknown_codec_warns_once_and_marks_nothing_exact():
     assert not sp.exact.any()
 
 
-# ---- K16: regression guards for the transformers 5 traps ----
+# ---- regression guards for the transformers 5 traps ----
 
 def test_k16_t1_vocab_file_constructor_trap():
     from transformers import LlamaTokenizer

@@ -1,4 +1,4 @@
-"""K3: our loaders against the upstream encoders, each on >= 1000 random Unicode strings, 0 mismatches.
+"""Our loaders against the upstream encoders, each on >= 1000 random Unicode strings, 0 mismatches.
 
 Set XTOKEN_DP_TEST_FLAGS=slow for 5000 strings each.
 """

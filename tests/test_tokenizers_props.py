@@ -1,9 +1,9 @@
-"""K12: property tests of byte-span recovery on random Unicode, for every tokenizer of the project.
+"""Property tests of byte-span recovery on random Unicode, for every tokenizer of the project.
 
-* the invariants of tokenizers.md §8 hold (`TokenSpans.validate`);
-* the generic path equals an independent per-token reference implementation of §8;
+* the invariants of byte spans hold (`TokenSpans.validate`);
+* the generic path equals an independent per-token reference implementation of span recovery;
 * for byte-complete tokenizers on text their normaliser keeps (NFC; no literal ▁ for SentencePiece): content spans tile [0, nbytes), every token is exact, and the
-  fast path equals the generic path and passes the spec's offset cross-check.
+  fast path equals the generic path and passes the offset cross-check.
 
 `XTOKEN_DP_TEST_FLAGS=slow` raises the number of hypothesis examples.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os, threading
 from typing import NamedTuple
 import torch
+from .core import check_bool
 from .projection import (exact_token_map_parts, refuse_empty_exact_map, check_vocab_size,
                                   load_dense_projection, parse_projection_file, sparse_projection_from_coo)
 
@@ -125,7 +126,7 @@ def build_exact_token_map(
     allow_empty:bool=False, # an empty common set warns instead of raising
 ) -> dict:
     "The common/uncommon vocabulary partition for the gold and H-KL losses (cached; do not modify in place)."
-    if not isinstance(xtoken_loss, bool): raise TypeError(f"xtoken_loss must be a bool, got {xtoken_loss!r}")
+    xtoken_loss = check_bool("xtoken_loss", xtoken_loss)
     teacher_vocab_size = check_vocab_size("teacher_vocab_size", teacher_vocab_size)
     student_vocab_size = check_vocab_size("student_vocab_size", student_vocab_size, optional=True)
     params = (xtoken_loss, teacher_vocab_size, student_vocab_size, float(exact_tolerance), float(relaxed_threshold))

@@ -23,11 +23,10 @@ from .aligner import (AlignmentResult, AlignmentStats, TokenAligner, template_sp
                                truncate_spans)
 from .codec import materialize as codec_materialize
 from .codec import object_array, pack_jagged_fields
-from .core import offsets_of
+from .core import check_bool, check_int, offsets_of
 from .schema import AlignmentBatch, FieldSpec, Schema, make_jagged
-from .tokenizers import (ROLES, TokenSpans, span_columns, batch_token_byte_spans, char_to_byte_offsets,
-                                  check_fast_tokenizer,
-                                  special_token_roles, tokenizer_fingerprint)
+from .tokenizers import (ROLES, InvalidTextError, TokenSpans, batch_token_byte_spans, char_to_byte_offsets,
+                                  check_fast_tokenizer, span_columns, special_token_roles, tokenizer_fingerprint)
 
 # %% auto #0
 __all__ = ['pad_id_of', 'template_special_counts', 'TruncationWarning', 'round_up', 'tokenize_padded', 'CrossTokenizerCollator',
@@ -76,7 +75,7 @@ def template_special_counts(tok # a transformers fast tokenizer
 
 # %% ../nbs/07_collate.ipynb #c3c12f9b
 class TruncationWarning(UserWarning):
-    "`_tokenize_batch` cut rows to `ctx_length`; the message says how many."
+    "`tokenize_padded` cut rows to `ctx_length`; the message says how many."
 
 
 def round_up(n: int, # a non-negative count
@@ -86,14 +85,12 @@ def round_up(n: int, # a non-negative count
     return -(-n // multiple) * multiple
 
 
-def _check_positive_int(name: str, value, least: int = 1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {least}, got {type(value).__name__} {value!r}")
-    if value < least: raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-
-
-
-
+def _check_ctx(name: str, value, specials: int, what: str):
+    "A context length: an int >= 1 that leaves room for content after the template's `specials` tokens of `what`."
+    check_int(name, value, minimum=1)
+    if value <= specials:
+        raise ValueError(f"{name}: expected an int > {specials} (the {specials} template special token(s) of {what} "
+                         f"leave no room for content otherwise), got {value}")
 
 
 def _pad_rows(values: np.ndarray, # the rows laid end to end
@@ -125,19 +122,18 @@ def tokenize_padded(texts: Sequence[str], # the texts
                     ctx_length: int, # the most tokens a row keeps (template specials included)
                     make_seq_div_by: int = 1, # the padded width is rounded up to a multiple of this
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The seed's `_tokenize_batch`: int64 ids and attention mask right-padded to `round_up(ctx_length, make_seq_div_by)`."
+    "Int64 ids and attention mask right-padded to `round_up(ctx_length, make_seq_div_by)`; warns when it cuts rows."
     check_fast_tokenizer(tokenizer, "tokenizer")
-    _check_positive_int("ctx_length", ctx_length)
-    _check_positive_int("make_seq_div_by", make_seq_div_by)
+    check_int("ctx_length", ctx_length, minimum=1)
+    check_int("make_seq_div_by", make_seq_div_by, minimum=1)
     lead, trail = template_special_counts(tokenizer)
-    if ctx_length <= lead + trail:
-        raise ValueError(f"ctx_length must exceed the template's {lead + trail} special tokens, got {ctx_length}")
+    _check_ctx("ctx_length", ctx_length, lead + trail, "tokenizer")
     pad = pad_id_of(tokenizer)
     spans = batch_token_byte_spans(tokenizer, texts)
     rows = [sp.ids if len(sp.ids) <= ctx_length else _template_cut(sp, ctx_length) for sp in spans]
     long_rows = [b for b, sp in enumerate(spans) if len(sp.ids) > ctx_length]
     if long_rows:
-        warnings.warn(f"_tokenize_batch truncated {len(long_rows)} of {len(rows)} rows to ctx_length={ctx_length} "
+        warnings.warn(f"truncated {len(long_rows)} of {len(rows)} rows to ctx_length={ctx_length} "
                       f"tokens (rows {long_rows[:8]}{'…' if len(long_rows) > 8 else ''})", TruncationWarning, stacklevel=2)
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     width = round_up(ctx_length, make_seq_div_by)
@@ -188,13 +184,6 @@ def _teacher_lists(teacher_tokenizer, aligner, ctx_length_teacher, make_seq_div_
             raise ValueError(f"{name} must hold one entry per teacher (len(teacher_tokenizers) = {n}), got {len(value)}")
     return list(teacher_tokenizers), list(aligners), ctx, divs, False
 
-
-def _check_ctx(name: str, value, specials: int, what: str):
-    _check_positive_int(name, value)
-    if value <= specials:
-        raise ValueError(f"{name} must exceed the {specials} template special token(s) of {what} (no room for "
-                         f"content otherwise), got {value}")
-
 # %% ../nbs/07_collate.ipynb #02c970a7
 class CrossTokenizerCollator:
     "Tokenise twice (or N+1 times), align once per cross-tokenizer teacher, return a flat padded dict or a jagged TensorDict."
@@ -212,8 +201,8 @@ class CrossTokenizerCollator:
                  ctx_length_teachers: Sequence[int | None] | None = None, # list form: token budgets (None only for same-vocab)
                  make_seq_div_by_teachers: Sequence[int] | None = None, # list form: width divisors (default 1 each)
                  output: str = "padded", # "padded" (flat dict of tensors) or "jagged" (wire TensorDict)
-                 pad_to: str = "ctx", # padded widths: "ctx" (round_up(ctx_length, div), the seed's) or "longest"
-                 chat: bool = False, # render `message_log` with each side's chat template (§8.4)
+                 pad_to: str = "ctx", # padded widths: "ctx" (round_up(ctx_length, div), the reference collator's) or "longest"
+                 chat: bool = False, # render `message_log` with each side's chat template (see "Chat mode")
                  align_roles: Sequence[str] = ("assistant",), # chat mode: roles whose content is aligned
                  keep_text: bool = False, # jagged output: keep the texts as an object column `text`
                  emit_dropped_bytes: bool = False, # also emit `dropped_bytes` [N] (bytes cut by the common truncation)
@@ -252,10 +241,11 @@ class CrossTokenizerCollator:
 # %% ../nbs/07_collate.ipynb #3e3ce47b
 @patch
 def _check_options(self: CrossTokenizerCollator, output, pad_to, chat, align_roles, keep_text, emit_dropped_bytes):
+    "The layout and chat options, checked and kept."
     if output not in ("padded", "jagged"): raise ValueError(f"output must be 'padded' or 'jagged', got {output!r}")
     if pad_to not in ("ctx", "longest"): raise ValueError(f"pad_to must be 'ctx' or 'longest', got {pad_to!r}")
-    for name, value in (("chat", chat), ("keep_text", keep_text), ("emit_dropped_bytes", emit_dropped_bytes)):
-        if not isinstance(value, bool): raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    chat, keep_text = check_bool("chat", chat), check_bool("keep_text", keep_text)
+    emit_dropped_bytes = check_bool("emit_dropped_bytes", emit_dropped_bytes)
     if isinstance(align_roles, str) or not isinstance(align_roles, Sequence) or not align_roles \
             or not all(isinstance(r, str) and r for r in align_roles):
         raise ValueError(f"align_roles must be a non-empty list of role names, got {align_roles!r}")
@@ -286,56 +276,82 @@ def _check_aligner(al, student_fp: str, teacher_fp: str, label: str):
                              f"got {got[:16]}…")
 
 
+def _common_keep_trailing(aligners, single: bool) -> bool:
+    "The aligners' one `keep_trailing_specials` (the common cut needs one rule); False without cross teachers."
+    for i, al in enumerate(aligners):
+        if al is not None and not isinstance(al, TokenAligner):
+            raise TypeError(f"{_labels(single, i)['aligner']} must be a TokenAligner or None (same-vocab teacher), "
+                            f"got {type(al).__name__}")
+    keep = {a.keep_trailing_specials for a in aligners if a is not None}
+    if len(keep) > 1:
+        values = {i: a.keep_trailing_specials for i, a in enumerate(aligners) if a is not None}
+        raise ValueError(f"aligners must agree on keep_trailing_specials (one common cut rule), got {values}")
+    return keep.pop() if keep else False
+
+
+@patch
+def _room(self: CrossTokenizerCollator, tok) -> int:
+    "Template specials a side's context must leave room for: the leading ones, and the trailing ones if they are kept."
+    lead, trail = template_special_counts(tok)
+    return lead + (trail if self.keep_trailing_specials else 0)
+
+
+@patch
+def _check_teacher(self: CrossTokenizerCollator, i: int, fp_student: str) -> tuple[int | None, int | None]:
+    "Teacher i's checks: (its pad id, None for a same-vocab teacher; the cap it puts on the student's tokens, or None)."
+    tok, al, ctx, div = (self.teacher_tokenizers[i], self.aligners[i], self.ctx_length_teachers[i],
+                         self.make_seq_div_by_teachers[i])
+    label = _labels(self._single, i)
+    check_fast_tokenizer(tok, label["tok"])
+    check_int(label["div"], div, minimum=1)
+    fp_t = tokenizer_fingerprint(tok)
+    if al is None:
+        _check_same_vocab(self.student_tokenizer, tok, fp_student, fp_t, label["tok"])
+        if ctx is not None:
+            _check_ctx(label["ctx"], ctx, self._room(self.student_tokenizer),
+                       f"the student_tokenizer that {label['tok']} shares")
+        return None, ctx
+    _check_aligner(al, fp_student, fp_t, label["aligner"])
+    if ctx is None: raise ValueError(f"{label['ctx']}: expected an int >= 1 for a cross-tokenizer teacher, got None")
+    _check_ctx(label["ctx"], ctx, self._room(tok), label["tok"])
+    return pad_id_of(tok, label["tok"]), None
+
+
+@patch
+def _check_chat_templates(self: CrossTokenizerCollator):
+    "Chat mode: every tokenised side has a chat template to render conversations with."
+    for tok, name in [(self.student_tokenizer, "student_tokenizer")] + [
+            (self.teacher_tokenizers[i], _labels(self._single, i)["tok"]) for i in self._cross]:
+        if not isinstance(getattr(tok, "chat_template", None), str) or not tok.chat_template:
+            raise ValueError(f"chat=True needs a chat template on every tokenized side: {name} has none (load it "
+                             f"with load_tokenizer(name, chat_template=...) or pick one of tokenizers.CHAT_TEMPLATES)")
+
+
 @patch
 def _check_sides(self: CrossTokenizerCollator):
-    "Every per-side check of §8.1 (no tokenising, except a same-vocab probe when fingerprints differ)."
-    for i, al in enumerate(self.aligners):
-        if al is not None and not isinstance(al, TokenAligner):
-            raise TypeError(f"{_labels(self._single, i)['aligner']} must be a TokenAligner or None (same-vocab teacher), "
-                            f"got {type(al).__name__}")
-    cross = [a for a in self.aligners if a is not None]
-    keep = {a.keep_trailing_specials for a in cross}
-    if len(keep) > 1:
-        values = {i: a.keep_trailing_specials for i, a in enumerate(self.aligners) if a is not None}
-        raise ValueError(f"aligners must agree on keep_trailing_specials (one common cut rule), got {values}")
-    self.keep_trailing_specials = keep.pop() if keep else False
-    def room(tok):
-        lead, trail = template_special_counts(tok)
-        return lead + (trail if self.keep_trailing_specials else 0)
+    "Every per-side check: tokenizers, aligners, contexts, divisors, pad ids (no tokenising but a same-vocab probe)."
+    self.keep_trailing_specials = _common_keep_trailing(self.aligners, self._single)
     s = self.student_tokenizer
-    fp_s = tokenizer_fingerprint(s)
-    _check_ctx("ctx_length_student", self.ctx_length_student, room(s), "student_tokenizer")
-    _check_positive_int("make_seq_div_by_student", self.make_seq_div_by_student)
-    pad_ids, budget = [pad_id_of(s, "student_tokenizer")], self.ctx_length_student
-    for i, (tok, al, ctx, div) in enumerate(zip(self.teacher_tokenizers, self.aligners, self.ctx_length_teachers,
-                                                self.make_seq_div_by_teachers)):
-        label = _labels(self._single, i)
-        check_fast_tokenizer(tok, label["tok"])
-        _check_positive_int(label["div"], div)
-        fp_t = tokenizer_fingerprint(tok)
-        if al is None:
-            _check_same_vocab(s, tok, fp_s, fp_t, label["tok"])
-            if ctx is not None:
-                _check_ctx(label["ctx"], ctx, room(s), f"the student_tokenizer that {label['tok']} shares")
-                budget = min(budget, ctx)
-            continue
-        _check_aligner(al, fp_s, fp_t, label["aligner"])
-        if ctx is None: raise ValueError(f"{label['ctx']} must be an int >= 1 for a cross-tokenizer teacher, got None")
-        _check_ctx(label["ctx"], ctx, room(tok), label["tok"])
-        pad_ids.append(pad_id_of(tok, label["tok"]))
+    _check_ctx("ctx_length_student", self.ctx_length_student, self._room(s), "student_tokenizer")
+    check_int("make_seq_div_by_student", self.make_seq_div_by_student, minimum=1)
+    pad_ids, budget, fp_s = [pad_id_of(s, "student_tokenizer")], self.ctx_length_student, tokenizer_fingerprint(s)
+    for i in range(self.num_teachers):
+        pad_id, cap = self._check_teacher(i, fp_s)
+        if pad_id is not None: pad_ids.append(pad_id)
+        if cap is not None: budget = min(budget, cap)
     self._cross = tuple(i for i, a in enumerate(self.aligners) if a is not None)
     self._pad_ids, self._student_budget = tuple(pad_ids), budget
-    if self.chat:
-        for tok, name in [(s, "student_tokenizer")] + [(self.teacher_tokenizers[i], _labels(self._single, i)["tok"])
-                                                       for i in self._cross]:
-            if not isinstance(getattr(tok, "chat_template", None), str) or not tok.chat_template:
-                raise ValueError(f"chat=True needs a chat template on every tokenized side: {name} has none (load it "
-                                 f"with load_tokenizer(name, chat_template=...) or pick one of tokenizers.CHAT_TEMPLATES)")
+    if self.chat: self._check_chat_templates()
 
 # %% ../nbs/07_collate.ipynb #2aacebb4
 def _short(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _text_key(datum: Mapping) -> str:
+    "Where a datum keeps its text, as an index expression."
+    return "['text']" if "text" in datum else "['message_log'][0]['content']"
 
 
 def _text_of(i: int, datum: Mapping) -> str:
@@ -513,9 +529,9 @@ def _pack_jagged(self: CrossTokenizerCollator, sides: list[_Side], alignments: l
         cols.update(_jagged_side(f"teacher_{i}_", t_off, sides[1 + j]))
         cols.update(alignments[i].to_jagged(student_offsets=s_off, teacher_offsets=t_off).as_flat(f"alignment_{i}_"))
     if self.emit_dropped_bytes: cols["dropped_bytes"] = torch.from_numpy(dropped)
-    if self.keep_text:  # the codec builds the object column (a NonTensorStack of N items, W5)
+    if self.keep_text:  # the codec builds the object column (a NonTensorStack of N items)
         cols["text"] = pack_jagged_fields({"text": object_array(texts)}, lengths=None, schema=_TEXT_SCHEMA).get("text")
-    # every token field already shares its group's offsets object (D2), so the columns go in as they are: packing
+    # every token field already shares its group's offsets object, so the columns go in as they are: packing
     # them again through `pack_jagged_fields` would re-wrap each nested tensor (half the packing time)
     return TensorDict(cols, batch_size=[len(sides[0].lengths)])
 
@@ -574,7 +590,10 @@ def __call__(self: CrossTokenizerCollator, batch: Sequence[Mapping] # datums: `t
     t0 = time.perf_counter()
     items, sample_mask, idx = self._read_batch(batch)
     clock["read"] = time.perf_counter() - t0
-    aligned = self._align_chat(items, clock) if self.chat else self._align_texts(items, clock)
+    try: aligned = self._align_chat(items, clock) if self.chat else self._align_texts(items, clock)
+    except InvalidTextError as e:   # span recovery names texts[i]; the caller knows the datum and its key
+        if self.chat or e.index < 0: raise
+        raise InvalidTextError(f"batch[{e.index}]{_text_key(batch[e.index])}", e.index, e.reason) from None
     t1 = time.perf_counter()
     teachers = tuple(None if r is None else r.stats() for r in aligned.results)
     t2 = time.perf_counter()
@@ -613,6 +632,11 @@ def _messages_of(self: CrossTokenizerCollator, i: int, datum: Mapping) -> list[d
         for key in ("role", "content"):
             if not isinstance(m[key], str):
                 raise TypeError(f"batch[{i}]['message_log'][{k}]['{key}'] must be a str, got {type(m[key]).__name__}")
+            try: m[key].encode("utf-8")     # the rendering would fail on it with an opaque error
+            except UnicodeEncodeError as e:
+                raise InvalidTextError(f"batch[{i}]['message_log'][{k}]['{key}']", i,
+                                       f"not valid Unicode: character {e.start} is the lone surrogate "
+                                       f"U+{ord(m[key][e.start]):04X}, which has no UTF-8 form") from None
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -686,9 +710,50 @@ def _piece_arrays(sp: TokenSpans, byte_offset: int, mask: bool):
     return sp.ids, np.zeros(len(sp.ids), np.int8), sp.end + byte_offset, np.full(len(sp.ids), mask)
 
 
+def _rendering_plan(side: _SideChat, real: str, ranges: list, messages: list[dict], aligned_roles: set,
+                    texts: list[str], contents: list[str]) -> list[tuple]:
+    "One rendering as pieces in order: template text (queued in `texts`), template specials, contents (in `contents`)."
+    to_byte = char_to_byte_offsets(real)
+    plan, pos = [], 0
+    for k, (start, end) in enumerate([*ranges, (len(real), len(real))]):
+        offset = int(to_byte[pos])
+        for token_id, piece in side.template_items(real[pos:start]):
+            piece_end = offset + len(piece.encode())
+            if token_id is None: plan.append(("text", len(texts), offset)); texts.append(piece)
+            else: plan.append(("special", token_id, piece_end))  # a special ends where its string does
+            offset = piece_end
+        if k < len(ranges):
+            plan.append(("content", len(contents), int(to_byte[start]), messages[k]["role"] in aligned_roles))
+            contents.append(messages[k]["content"])
+        pos = end
+    return plan
+
+
+def _rendered_tokens(plan: list[tuple], real: str, side: _SideChat, text_spans, content_spans,
+                     contents: list[str]) -> _Rendered:
+    "One rendering's tokens from its plan and the batch's spans: ids, roles, ends, loss mask, aligned messages."
+    parts, aligned, n, after_aligned = [], [], 0, False
+    for item in plan:
+        if item[0] == "text": part = _piece_arrays(text_spans[item[1]], item[2], False)
+        elif item[0] == "special":
+            code = side.codes.get(item[1], 0)
+            closing = after_aligned and code != 0 and ROLES[code - 1] in _CLOSING_ROLES
+            part = (np.array([item[1]], np.int64), np.array([code], np.int8), np.array([item[2]], np.int64),
+                    np.array([closing]))
+        else:
+            sp = content_spans[item[1]]
+            part = _piece_arrays(sp, item[2], item[3])
+            if item[3]: aligned.append((n, sp, contents[item[1]]))
+        after_aligned = item[0] == "content" and item[3]
+        parts.append(part); n += len(part[0])
+    ids, role, end, mask = (np.concatenate([p[f] for p in parts]) if parts else np.zeros(0, dt)
+                            for f, dt in enumerate((np.int64, np.int8, np.int64, bool)))
+    return _Rendered(ids.astype(np.int64, copy=False), role, end, mask, len(real.encode()), aligned)
+
+
 @patch
 def _render_side(self: CrossTokenizerCollator, tok, name: str, logs: list[list[dict]]) -> tuple[list[_Rendered], list[str]]:
-    "Every conversation rendered and tokenised by one side; and the renderings."
+    "Every conversation rendered and tokenised by one side (all template texts in one call, all contents in another)."
     cache = self.__dict__.setdefault("_chat_sides", {})  # one matcher per tokenizer (tekken has 1000 added tokens)
     fp = tokenizer_fingerprint(tok)
     if fp not in cache: cache[fp] = _SideChat(tok)
@@ -696,42 +761,12 @@ def _render_side(self: CrossTokenizerCollator, tok, name: str, logs: list[list[d
     plans, renderings, texts, contents = [], [], [], []
     for b, messages in enumerate(logs):
         real, ranges = _render(tok, messages, f"batch[{b}], {name}")
-        to_byte = char_to_byte_offsets(real)
-        plan, pos = [], 0
-        for k, (start, end) in enumerate([*ranges, (len(real), len(real))]):
-            offset = int(to_byte[pos])
-            for token_id, piece in side.template_items(real[pos:start]):
-                piece_end = offset + len(piece.encode())
-                if token_id is None: plan.append(("text", len(texts), offset)); texts.append(piece)
-                else: plan.append(("special", token_id, piece_end))  # a special ends where its string does
-                offset = piece_end
-            if k < len(ranges):
-                plan.append(("content", len(contents), int(to_byte[start]), messages[k]["role"] in aligned_roles))
-                contents.append(messages[k]["content"])
-            pos = end
-        plans.append(plan); renderings.append(real)
+        plans.append(_rendering_plan(side, real, ranges, messages, aligned_roles, texts, contents))
+        renderings.append(real)
     text_spans = batch_token_byte_spans(tok, texts, add_special_tokens=False) if texts else []
     content_spans = batch_token_byte_spans(tok, contents, add_special_tokens=False) if contents else []
-    out = []
-    for plan, real in zip(plans, renderings):
-        parts, aligned, n, after_aligned = [], [], 0, False
-        for item in plan:
-            if item[0] == "text": part = _piece_arrays(text_spans[item[1]], item[2], False)
-            elif item[0] == "special":
-                code = side.codes.get(item[1], 0)
-                closing = after_aligned and code != 0 and ROLES[code - 1] in _CLOSING_ROLES
-                part = (np.array([item[1]], np.int64), np.array([code], np.int8), np.array([item[2]], np.int64),
-                        np.array([closing]))
-            else:
-                sp = content_spans[item[1]]
-                part = _piece_arrays(sp, item[2], item[3])
-                if item[3]: aligned.append((n, sp, contents[item[1]]))
-            after_aligned = item[0] == "content" and item[3]
-            parts.append(part); n += len(part[0])
-        ids, role, end, mask = (np.concatenate([p[f] for p in parts]) if parts else np.zeros(0, dt)
-                                for f, dt in enumerate((np.int64, np.int8, np.int64, bool)))
-        out.append(_Rendered(ids.astype(np.int64, copy=False), role, end, mask, len(real.encode()), aligned))
-    return out, renderings
+    return ([_rendered_tokens(plan, real, side, text_spans, content_spans, contents)
+             for plan, real in zip(plans, renderings)], renderings)
 
 # %% ../nbs/07_collate.ipynb #9f1619a2
 def _empty_spans(sp: TokenSpans) -> TokenSpans:
@@ -882,7 +917,7 @@ def collator_alignment_share(student, # the student's tokenizer
                             ) -> dict[int, dict[str, float]]:
     "Median phase times (ms) of the collator's batch with 1 and with all teachers, and the alignment share of the batch time."
     if not teachers: raise ValueError("teachers must hold at least one tokenizer, got none")
-    for name, value in (("repeats", repeats), ("batch_size", batch_size), ("chars", chars)): _check_positive_int(name, value)
+    for name, value in (("repeats", repeats), ("batch_size", batch_size), ("chars", chars)): check_int(name, value, minimum=1)
     texts = _stdlib_texts(batch_size, chars) if texts is None else list(texts)
     batch = [{"text": t} for t in texts]
     aligners = [TokenAligner(student, t) for t in teachers]

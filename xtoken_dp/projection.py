@@ -15,23 +15,26 @@ import torch
 from fastcore.basics import patch
 from tqdm import tqdm
 import xtoken_dp
+from .core import check_int
 
 # %% auto #0
 __all__ = ['DenseProjection', 'DEFAULT_ROLE_EQUIVALENCE', 'UNPAIRED_ROLES', 'FAITHFUL', 'APPROXIMATE', 'UNMAPPED', 'STATUS_NAMES',
-           'Reencoding', 'UnsafeProjectionFileError', 'load_projection_object', 'projection_format',
-           'check_dense_arrays', 'load_dense_projection', 'read_projection_metadata', 'parse_projection_file',
-           'check_vocab_size', 'sparse_projection_from_coo', 'exact_token_map_parts', 'refuse_empty_exact_map',
-           'exact_token_map_from_topk', 'PieceVocabulary', 'single_byte_tokens', 'pair_special_tokens',
-           'exact_byte_matches', 'reencode', 'geometric_weights', 'accumulate_triplets', 'sort_and_cut',
-           'projection_invariant_violations', 'ProjectionReport', 'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder',
-           'as_piece_vocabulary', 'ProjectionBuild', 'specials_and_exact', 'build_projection', 'default_report_path',
-           'build_projection_file', 'load_tokenizer_spec', 'describe_projection_file', 'convert_projection_file',
-           'projection_main']
+           'Reencoding', 'UnsafeProjectionFileError', 'load_projection_object', 'ProjectionFileError',
+           'projection_format', 'check_dense_arrays', 'check_projection_metadata', 'load_dense_projection',
+           'read_projection_metadata', 'parse_projection_file', 'check_vocab_size', 'sparse_projection_from_coo',
+           'exact_token_map_parts', 'refuse_empty_exact_map', 'exact_token_map_from_topk', 'PieceVocabulary',
+           'single_byte_tokens', 'pair_special_tokens', 'exact_byte_matches', 'reencode', 'geometric_weights',
+           'accumulate_triplets', 'sort_and_cut', 'projection_invariant_violations', 'ProjectionReport',
+           'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder', 'as_piece_vocabulary', 'ProjectionBuild',
+           'specials_and_exact', 'build_projection', 'default_report_path', 'build_projection_file',
+           'load_tokenizer_spec', 'describe_projection_file', 'convert_projection_file', 'projection_main']
 
 # %% ../nbs/05_projection.ipynb #f065eba1
 class UnsafeProjectionFileError(ValueError):
-    "A projection file needs Python globals that a safe (`weights_only=True`) load refuses."
-    def __init__(self, path, unsafe_globals):
+    "A projection file needs Python globals that a safe (`weights_only=True`) load refuses; names the file and them."
+    def __init__(self, path,        # the refused file (kept as `self.path`)
+                 unsafe_globals,    # the globals it needs, e.g. ["builtins.print"] (kept as `self.unsafe_globals`)
+                ):
         self.path, self.unsafe_globals = str(path), list(unsafe_globals)
         super().__init__(
             f"projection file {self.path!r} refers to Python globals that a safe load refuses: {self.unsafe_globals}. "
@@ -75,6 +78,28 @@ def load_projection_object(
         raise ValueError(f"projection file {path!r} is not a readable torch-saved file "
                          f"({type(e).__name__}: {first_line[:200]})") from e
 
+# %% ../nbs/05_projection.ipynb #0e98c74f
+class ProjectionFileError(ValueError):
+    "A projection file whose contents contradict themselves or the format: names the file, the field, expected and found."
+    def __init__(self, path,   # the file (kept as `self.path`)
+                 field,        # the key or entry at fault, e.g. "teacher_vocab_size" or "report['top_k']"
+                 expected,     # what the format or the file's own tensors require
+                 found,        # what the file holds
+                ):
+        self.path, self.field, self.expected, self.found = os.fspath(path), field, expected, found
+        super().__init__(f"{self.path}: {field}: expected {expected}, found {found}")
+
+_PARSE_ERRORS = (KeyError, TypeError, IndexError, AttributeError, RuntimeError, OverflowError, NotImplementedError)
+
+@contextlib.contextmanager
+def _reading(path):
+    "Any error a malformed file provokes below, as a `ProjectionFileError` naming the file (ValueErrors pass as they are)."
+    try: yield
+    except _PARSE_ERRORS as e:
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ProjectionFileError(path, "contents", "a dense top-k or sparse projection",
+                                  f"data that fails to parse ({type(e).__name__}: {detail})") from e
+
 # %% ../nbs/05_projection.ipynb #f985adb8
 def _key_preview(d, n=5): return [k for _, k in zip(range(n), d)]
 
@@ -97,6 +122,9 @@ def projection_format(
                      f"{_key_preview(obj)}")
 
 # %% ../nbs/05_projection.ipynb #2ae9acb3
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                   torch.uint64)
+
 def _first_bad(mask):
     "(row, slot) of the first True entry of a 2-D bool mask."
     return tuple(int(i) for i in mask.nonzero()[0])
@@ -110,15 +138,15 @@ def check_dense_arrays(
     for key, t in (("indices", indices), ("likelihoods", likelihoods)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{source}: '{key}' must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided or t.ndim != 2:
-            raise ValueError(f"{source}: '{key}' must be a dense 2-D tensor [V_rows, K], got layout {t.layout} "
-                             f"and shape {tuple(t.shape)}")
+        if t.layout != torch.strided or t.is_nested or t.ndim != 2:
+            raise ValueError(f"{source}: '{key}' must be a dense 2-D tensor [V_rows, K], got layout {t.layout}"
+                             f"{' (nested)' if t.is_nested else ''} and {t.ndim} dimensions")
     if indices.shape != likelihoods.shape:
         raise ValueError(f"{source}: 'indices' and 'likelihoods' must have the same shape, got "
                          f"{tuple(indices.shape)} and {tuple(likelihoods.shape)}")
     if indices.shape[1] < 1: raise ValueError(f"{source}: 'indices' must have K >= 1 slots per row, got shape "
                                               f"{tuple(indices.shape)}")
-    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+    if indices.dtype not in _INTEGER_DTYPES:
         raise ValueError(f"{source}: 'indices' must be an integer tensor, got dtype {indices.dtype}")
     if not likelihoods.dtype.is_floating_point:
         raise ValueError(f"{source}: 'likelihoods' must be a floating tensor, got dtype {likelihoods.dtype}")
@@ -149,39 +177,104 @@ def _metadata_of(obj):
         if legacy in meta and name not in meta: meta[name] = meta[legacy]
     return meta
 
-def _exact_student_ids_of(obj, path):
+def _exact_student_ids_of(obj, path, v_rows):
+    "The file's certified exact rows as int64, each one a row of the file (None when it lists none)."
     ids = obj.get("exact_student_ids")
     if ids is None: return None
-    if isinstance(ids, (list, tuple)): ids = torch.tensor(ids, dtype=torch.int64).reshape(-1)
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"{path}: 'exact_student_ids' must be a 1-D integer tensor, got "
-                         f"{type(ids).__name__} {getattr(ids, 'dtype', '')} {tuple(getattr(ids, 'shape', ()))}")
+    expected = f"a 1-D integer tensor of row ids in [0, {v_rows})"
+    if isinstance(ids, (list, tuple)):
+        try: ids = torch.tensor(ids, dtype=torch.int64).reshape(-1)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise ProjectionFileError(path, "exact_student_ids", expected, f"a {type(ids).__name__} of non-integers") from None
+    if not isinstance(ids, torch.Tensor) or ids.is_nested or ids.layout != torch.strided or ids.ndim != 1 \
+            or ids.dtype not in _INTEGER_DTYPES:
+        shape = f" with {ids.ndim} dimensions, dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else ""
+        raise ProjectionFileError(path, "exact_student_ids", expected, f"a {type(ids).__name__}{shape}")
     ids = ids.to(torch.int64)
-    if ids.numel() and int(ids.min()) < 0:
-        raise ValueError(f"{path}: 'exact_student_ids' must be >= 0, got {int(ids.min())}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v_rows):
+        raise ProjectionFileError(path, "exact_student_ids", expected, f"ids from {int(ids.min())} to {int(ids.max())}")
     return ids
+
+# %% ../nbs/05_projection.ipynb #d180fd2b
+def _declared_int(path, field, value, expected, ok) -> int:
+    "A declared size: an int (not a bool) that passes `ok`, else `ProjectionFileError`."
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ProjectionFileError(path, field, f"an int, {expected}", f"{type(value).__name__} {value!r:.60}")
+    if not ok(int(value)): raise ProjectionFileError(path, field, expected, int(value))
+    return int(value)
+
+def _size_rules(metadata, path, indices, exact_student_ids) -> dict:
+    "field -> (what the tensors require, test) for every size a dense file may declare."
+    v_rows, k = indices.shape
+    live = indices >= 0
+    needed = int(indices[live].max()) + 1 if live.any() else 0
+    nonempty = int(live.any(1).sum())
+    rules = {"student_vocab_size": (f"{v_rows}, the rows of 'indices'", lambda v: v == v_rows),
+             "teacher_vocab_size": (f">= {needed}, one more than the largest teacher id in 'indices'", lambda v: v >= needed),
+             "top_k": (f"{k}, the slots per row of 'indices'", lambda v: v == k),
+             "nonempty_rows": (f"{nonempty}, the rows of 'indices' holding a teacher id", lambda v: v == nonempty),
+             "empty_rows": (f"{v_rows - nonempty}, the rows of 'indices' holding none", lambda v: v == v_rows - nonempty)}
+    if exact_student_ids is not None:
+        n = exact_student_ids.numel()
+        rules["exact_rows"] = (f"{n}, the length of 'exact_student_ids'", lambda v: v == n)
+    if "teacher_vocab_size" in metadata:
+        declared = _declared_int(path, "teacher_vocab_size", metadata["teacher_vocab_size"], *rules["teacher_vocab_size"])
+        rules["teacher_vocab_size"] = (f"{declared}, as 'teacher_vocab_size' declares", lambda v: v == declared)
+    return rules
+
+def check_projection_metadata(
+    metadata:dict, # the file's non-tensor keys (`read_projection_metadata`)
+    indices:torch.Tensor, # the file's validated int64 [V_rows, K] teacher ids
+    exact_student_ids:torch.Tensor|None=None, # the file's validated certified rows
+    path="<metadata>", # named in error messages
+) -> dict:
+    "Check every size the metadata declares against the tensors; `ProjectionFileError` on a contradiction."
+    rules = _size_rules(metadata, path, indices, exact_student_ids)
+    if "student_vocab_size" in metadata:
+        _declared_int(path, "student_vocab_size", metadata["student_vocab_size"], *rules["student_vocab_size"])
+    for section in ("builder", "report"):
+        if section not in metadata: continue
+        d = metadata[section]
+        if not isinstance(d, dict): raise ProjectionFileError(path, section, "a dict", type(d).__name__)
+        for field, rule in rules.items():
+            if field in d: _declared_int(path, f"{section}['{field}']", d[field], *rule)
+    histogram = metadata.get("report", {}).get("entries_per_row")
+    if histogram is not None:
+        actual = torch.bincount((indices >= 0).sum(1), minlength=indices.shape[1] + 1).tolist()
+        if not isinstance(histogram, list) or histogram != actual:
+            raise ProjectionFileError(path, "report['entries_per_row']", f"{str(actual):.80}, counted from 'indices'",
+                                      f"{histogram!r:.80}")
+    return metadata
+
+def _dense_parts(obj, path) -> DenseProjection:
+    "A dense projection dict's validated tensors and metadata (declared sizes checked against the tensors)."
+    indices, likelihoods = check_dense_arrays(obj["indices"], obj["likelihoods"], path)
+    exact_ids = _exact_student_ids_of(obj, path, indices.shape[0])
+    return DenseProjection(indices, likelihoods, exact_ids,
+                           check_projection_metadata(_metadata_of(obj), indices, exact_ids, path))
 
 def load_dense_projection(
     path, # a dense top-k projection file
 ) -> DenseProjection:
     "Safely load and validate a dense top-k file; a sparse file raises a `ValueError` that says 'dense'."
-    obj = load_projection_object(path)
-    if projection_format(obj, path) != "dense":
-        raise ValueError(f"this reader requires the dense top-k projection format ('indices'/'likelihoods'); "
-                         f"{os.fspath(path)} is sparse")
-    indices, likelihoods = check_dense_arrays(obj["indices"], obj["likelihoods"], os.fspath(path))
-    return DenseProjection(indices, likelihoods, _exact_student_ids_of(obj, path), _metadata_of(obj))
+    with _reading(path):
+        obj = load_projection_object(path)
+        if projection_format(obj, path) != "dense":
+            raise ValueError(f"this reader requires the dense top-k projection format ('indices'/'likelihoods'); "
+                             f"{os.fspath(path)} is sparse")
+        return _dense_parts(obj, os.fspath(path))
 
 def read_projection_metadata(
     path, # a projection file (either format)
 ) -> dict:
-    "The non-tensor keys of a dense projection file (`{}` for a sparse one), through the safe loader."
-    obj = load_projection_object(path)
-    return _metadata_of(obj) if projection_format(obj, path) == "dense" else {}
+    "The non-tensor keys of a dense projection file (`{}` for a sparse one), checked against its tensors."
+    with _reading(path):
+        obj = load_projection_object(path)
+        return _dense_parts(obj, os.fspath(path)).metadata if projection_format(obj, path) == "dense" else {}
 
 # %% ../nbs/05_projection.ipynb #89b8de94
 def _parse_dense(obj, path):
-    indices, likelihoods = check_dense_arrays(obj["indices"], obj["likelihoods"], path)
+    indices, likelihoods = _dense_parts(obj, path)[:2]
     v_rows, k = indices.shape
     students = torch.arange(v_rows, dtype=torch.int64).repeat_interleave(k)
     coo = torch.stack([students, indices.reshape(-1)])
@@ -197,11 +290,14 @@ def _bad_sparse_entry(obj, path):
     for (s, t), v in obj.items():
         if not (_is_int(s) and _is_int(t)):
             return f"{path}: sparse keys must be (student_id, teacher_id) integer pairs, got {(s, t)!r}"
+        if max(s, t) >= 2**63: return f"{path}: sparse ids must fit in int64, got {max(s, t)} in key {(s, t)!r}"
         if s < 0: return f"{path}: sparse student ids must be >= 0, got {s} in key {(s, t)!r}"
         if t < -1: return f"{path}: sparse teacher ids must be >= -1, got {t} in key {(s, t)!r}"
         if not _is_number(v): return f"{path}: sparse values must be numbers, got {type(v).__name__} for key {(s, t)!r}"
-        with np.errstate(over="ignore"): fits_float32 = math.isfinite(np.float32(v))
-        if not math.isfinite(v) or not fits_float32:
+        try:
+            with np.errstate(over="ignore"): finite = math.isfinite(v) and math.isfinite(np.float32(v))
+        except OverflowError: finite = False   # an int beyond any float
+        if not finite:
             return f"{path}: sparse values must be finite float32 numbers, got {v!r} for key {(s, t)!r}"
         if v < 0: return f"{path}: sparse values must be >= 0, got {v!r} for key {(s, t)!r}"
     return f"{path}: invalid sparse projection"
@@ -210,7 +306,8 @@ def _parse_sparse(obj, path):
     if not obj: return torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32), 0, 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keys, values = np.array(list(obj.keys())), np.array(list(obj.values()))
+        try: keys, values = np.array(list(obj.keys())), np.array(list(obj.values()))
+        except (ValueError, TypeError, OverflowError): raise ValueError(_bad_sparse_entry(obj, path)) from None
         vals32 = values.astype(np.float32) if values.dtype.kind in "iuf" else None
     ok = (keys.dtype.kind in "iu" and keys.shape == (len(obj), 2) and vals32 is not None and values.ndim == 1
           and bool(np.isfinite(values).all() and np.isfinite(vals32).all() and (values >= 0).all()))
@@ -229,9 +326,10 @@ def parse_projection_file(
     path, # a `torch.save`d projection file, dense top-k or sparse
 ):
     "Parse a projection file into `(indices[2, nnz], values[nnz], v_student_inferred, v_teacher_inferred)` on CPU."
-    obj = load_projection_object(path)
-    parse = _parse_dense if projection_format(obj, path) == "dense" else _parse_sparse
-    return parse(obj, os.fspath(path))
+    with _reading(path):
+        obj = load_projection_object(path)
+        parse = _parse_dense if projection_format(obj, path) == "dense" else _parse_sparse
+        return parse(obj, os.fspath(path))
 
 # %% ../nbs/05_projection.ipynb #818094ce
 def check_vocab_size(
@@ -240,12 +338,7 @@ def check_vocab_size(
     optional=False, # whether None is allowed
 ):
     "Validate a vocabulary size: an `int >= 0` (`bool` and other types: `TypeError`; negative: `ValueError`)."
-    if value is None and optional: return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 0{' or None' if optional else ''}, got {type(value).__name__} "
-                        f"{value!r}")
-    if value < 0: raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return check_int(name, value, minimum=0, optional=optional)
 
 # %% ../nbs/05_projection.ipynb #0177aebc
 def sparse_projection_from_coo(
@@ -257,7 +350,7 @@ def sparse_projection_from_coo(
     row_normalize:bool=False, # divide each row by its sum (zero rows stay zero)
     device, # device of the result
 ) -> torch.Tensor:
-    "A coalesced float32 sparse COO `(V_s, V_t)` matrix from COO components (seed sizing; duplicates summed)."
+    "A coalesced float32 sparse COO `(V_s, V_t)` matrix from COO components (sizes grown to fit; duplicates summed)."
     student_vocab_size = check_vocab_size("student_vocab_size", student_vocab_size)
     teacher_vocab_size = check_vocab_size("teacher_vocab_size", teacher_vocab_size)
     if not (isinstance(indices, torch.Tensor) and indices.ndim == 2 and indices.shape[0] == 2):
@@ -323,6 +416,15 @@ def _complement(ids, size):
     return keep.nonzero().squeeze(1)
 
 # %% ../nbs/05_projection.ipynb #33a4660f
+def _common_pairs(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, exact_tolerance=1e-6,
+                  relaxed_threshold=0.6, exact_student_ids=None):
+    "(common_student, common_teacher) of validated arrays: nothing is sized by the vocabularies."
+    t1, w1, candidate = _exact_candidates(indices, likelihoods, xtoken_loss=xtoken_loss, exact_tolerance=exact_tolerance,
+                                          relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids)
+    candidate &= (t1 >= 0) & (t1 < teacher_vocab_size)
+    students = candidate.nonzero().squeeze(1)
+    return _resolve_collisions(students, t1[students], w1[students], xtoken_loss)
+
 def exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
                            exact_tolerance=1e-6, relaxed_threshold=0.6, exact_student_ids=None,
                            source="<in-memory projection>"):
@@ -334,11 +436,9 @@ def exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_si
     if isinstance(indices, torch.Tensor) and isinstance(likelihoods, torch.Tensor):
         likelihoods = likelihoods.to(indices.device)
     indices, likelihoods = check_dense_arrays(indices, likelihoods, source)
-    t1, w1, candidate = _exact_candidates(indices, likelihoods, xtoken_loss=xtoken_loss, exact_tolerance=exact_tolerance,
-                                          relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids)
-    candidate &= (t1 >= 0) & (t1 < teacher_vocab_size)
-    students = candidate.nonzero().squeeze(1)
-    common_student, common_teacher = _resolve_collisions(students, t1[students], w1[students], xtoken_loss)
+    common_student, common_teacher = _common_pairs(
+        indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
+        exact_tolerance=exact_tolerance, relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids)
     v_rows = indices.shape[0]
     n_student = max(v_rows, student_vocab_size or 0)
     mode = "relaxed (xtoken_loss=True)" if xtoken_loss else "strict (xtoken_loss=False)"
@@ -550,7 +650,7 @@ def reencode(
     batch_size:int=4096, # texts per tokenizer call
     progress=lambda n: None, # called with the number of rows done after each batch
 ) -> Reencoding:
-    "Faithfully re-encode the bytes of `source` tokens `ids` into `target` pieces (projection spec §6.3)."
+    "Faithfully re-encode the bytes of `source` tokens `ids` into `target` pieces (the four steps above)."
     ids = np.asarray(ids, dtype=np.int64)
     n = len(ids)
     src = source.starts[ids], source.lengths[ids]
@@ -763,9 +863,9 @@ def fast_batch_encoder(
     tok, # a transformers fast tokenizer
 ):
     "A `list[str] -> list[list[int]]` encoder: no template specials, special-token strings split as plain text."
-    backend = getattr(tok, "backend_tokenizer", None)
-    if not getattr(tok, "is_fast", False) or backend is None:
-        raise TypeError(f"the projection builder needs a fast tokenizer (tok.is_fast), got {type(tok).__name__}")
+    from xtoken_dp.tokenizers import check_fast_tokenizer
+    check_fast_tokenizer(tok, "tok")
+    backend = tok.backend_tokenizer
     encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
     def encode(texts):
         if not texts: return []
@@ -792,9 +892,13 @@ def from_tokenizer(cls:PieceVocabulary, tok, name:str|None=None):
 
 def as_piece_vocabulary(
     tok, # a fast tokenizer or a PieceVocabulary
+    arg:str="tok", # how error messages name it (the caller's argument)
 ) -> PieceVocabulary:
     "`tok` itself if it is a PieceVocabulary, else its view through `PieceVocabulary.from_tokenizer`."
-    return tok if isinstance(tok, PieceVocabulary) else PieceVocabulary.from_tokenizer(tok)
+    if isinstance(tok, PieceVocabulary): return tok
+    from xtoken_dp.tokenizers import check_fast_tokenizer
+    check_fast_tokenizer(tok, arg)
+    return PieceVocabulary.from_tokenizer(tok)
 
 # %% ../nbs/05_projection.ipynb #3a727f06
 @dataclasses.dataclass(eq=False)
@@ -825,16 +929,18 @@ class ProjectionBuild:
         return path
 
 # %% ../nbs/05_projection.ipynb #a807214e
-def _check_build_parameters(top_k, max_pieces, decay, reverse_weight, encode_batch_size):
+def _build_parameters(top_k, max_pieces, decay, reverse, reverse_weight, exact, pair_specials,
+                      encode_batch_size) -> dict:
+    "The checked parameters as the metadata records them (`encode_batch_size` changes nothing, so it is left out)."
     for name, value in (("top_k", top_k), ("max_pieces", max_pieces), ("encode_batch_size", encode_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-        if value < 1: raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int(name, value, minimum=1)
     for name, value, low in (("decay", decay, "> 0"), ("reverse_weight", reverse_weight, ">= 0")):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a float {low}, got {type(value).__name__} {value!r}")
+            raise TypeError(f"{name}: expected a finite float {low}, got {type(value).__name__} {value!r}")
         if not math.isfinite(value) or (value <= 0 if low == "> 0" else value < 0):
-            raise ValueError(f"{name} must be a finite float {low}, got {value}")
+            raise ValueError(f"{name}: expected a finite float {low}, got {value}")
+    return dict(top_k=top_k, max_pieces=max_pieces, decay=float(decay), reverse=bool(reverse),
+                reverse_weight=float(reverse_weight), exact=bool(exact), pair_specials=bool(pair_specials))
 
 # %% ../nbs/05_projection.ipynb #a1ea3b42
 def specials_and_exact(S, T, *, pair_specials, exact):
@@ -853,6 +959,44 @@ def specials_and_exact(S, T, *, pair_specials, exact):
     return (students, teachers, np.ones(len(students))), exact_rows, pairs, unpaired
 
 # %% ../nbs/05_projection.ipynb #223c0299
+def _reencoded_ids(S, T, exact_rows, reverse):
+    "(rows closed to re-encoded weight, student ids re-encoded forward, teacher ids re-encoded backward)."
+    closed = exact_rows | S.special  # rows that take no forward or reverse contributions
+    forward_ids = np.flatnonzero(~closed & (S.lengths > 0))
+    reverse_ids = np.flatnonzero(~T.special & (T.lengths > 0)) if reverse else np.zeros(0, dtype=np.int64)
+    return closed, forward_ids, reverse_ids
+
+def _reencoded_triplets(S, T, closed, forward_ids, reverse_ids, parameters, batch_size, bar, phases):
+    "Steps 3 and 4: the forward and reverse `(s, t, w)` triplets and the re-encoding statuses of both directions."
+    weights = geometric_weights(parameters["max_pieces"], parameters["decay"])
+    bar.set_postfix_str("forward")
+    with phases("forward"):
+        fwd = reencode(S, forward_ids, T, max_pieces=parameters["max_pieces"], batch_size=batch_size, progress=bar.update)
+        forward = forward_ids[fwd.row], fwd.piece, weights[fwd.count, fwd.position]
+    bar.set_postfix_str("reverse")
+    with phases("reverse"):
+        rev = reencode(T, reverse_ids, S, max_pieces=parameters["max_pieces"], batch_size=batch_size, progress=bar.update)
+        into = ~closed[rev.piece]
+        backward = (rev.piece[into], reverse_ids[rev.row[into]],
+                    parameters["reverse_weight"] * weights[rev.count, rev.position][into])
+    return forward, backward, (fwd.status, rev.status)
+
+def _progress_bar(total, progress):
+    "A tqdm bar on stderr over the tokens still to place; `progress=None` shows it iff stderr is a terminal."
+    return tqdm(total=total, desc="projection", unit="tok", file=sys.stderr,
+                disable=not (sys.stderr.isatty() if progress is None else progress), dynamic_ncols=True)
+
+def _build_metadata(S, T, parameters, report, student_model_id, teacher_model_id) -> dict:
+    "The file's metadata: format version, model ids, sizes, fingerprints, builder parameters and the report."
+    return {"format_version": 1,
+            "student_model_id": student_model_id if student_model_id is not None else S.name,
+            "teacher_model_id": teacher_model_id if teacher_model_id is not None else T.name,
+            "student_vocab_size": len(S), "teacher_vocab_size": len(T),
+            "student_fingerprint": S.fingerprint, "teacher_fingerprint": T.fingerprint,
+            "builder": {"name": "xtoken_dp.projection.build_projection", "version": xtoken_dp.__version__, **parameters},
+            "report": report.to_dict()}
+
+# %% ../nbs/05_projection.ipynb #5e4f1e6b
 def build_projection(
     student, # student fast tokenizer (or PieceVocabulary)
     teacher, # teacher fast tokenizer (or PieceVocabulary)
@@ -870,27 +1014,16 @@ def build_projection(
     teacher_model_id:str|None=None, # recorded in the metadata (default: name_or_path, else family + fingerprint)
 ) -> ProjectionBuild:
     "Build a sparse, deterministic, byte-exact top-k projection from a student and a teacher tokenizer."
-    _check_build_parameters(top_k, max_pieces, decay, reverse_weight, encode_batch_size)
+    parameters = _build_parameters(top_k, max_pieces, decay, reverse, reverse_weight, exact, pair_specials,
+                                   encode_batch_size)
     phases = PhaseTimer()
-    with phases("vocabularies"): S, T = as_piece_vocabulary(student), as_piece_vocabulary(teacher)
+    with phases("vocabularies"): S, T = as_piece_vocabulary(student, "student"), as_piece_vocabulary(teacher, "teacher")
     with phases("specials_exact"):
         fixed, exact_rows, pairs, unpaired = specials_and_exact(S, T, pair_specials=pair_specials, exact=exact)
-    closed = exact_rows | S.special  # rows that take no forward or reverse contributions
-    forward_ids = np.flatnonzero(~closed & (S.lengths > 0))
-    reverse_ids = np.flatnonzero(~T.special & (T.lengths > 0)) if reverse else np.zeros(0, dtype=np.int64)
-    weights = geometric_weights(max_pieces, decay)
-    bar = tqdm(total=len(forward_ids) + len(reverse_ids) + len(S), desc="projection", unit="tok", file=sys.stderr,
-               disable=not (sys.stderr.isatty() if progress is None else progress), dynamic_ncols=True)
-    with bar:
-        bar.set_postfix_str("forward")
-        with phases("forward"):
-            fwd = reencode(S, forward_ids, T, max_pieces=max_pieces, batch_size=encode_batch_size, progress=bar.update)
-            forward = forward_ids[fwd.row], fwd.piece, weights[fwd.count, fwd.position]
-        bar.set_postfix_str("reverse")
-        with phases("reverse"):
-            rev = reencode(T, reverse_ids, S, max_pieces=max_pieces, batch_size=encode_batch_size, progress=bar.update)
-            into = ~closed[rev.piece]
-            backward = rev.piece[into], reverse_ids[rev.row[into]], reverse_weight * weights[rev.count, rev.position][into]
+    closed, forward_ids, reverse_ids = _reencoded_ids(S, T, exact_rows, reverse)
+    with _progress_bar(len(forward_ids) + len(reverse_ids) + len(S), progress) as bar:
+        forward, backward, statuses = _reencoded_triplets(S, T, closed, forward_ids, reverse_ids, parameters,
+                                                          encode_batch_size, bar, phases)
         bar.set_postfix_str("cut")
         with phases("accumulate"):
             s, t, w = accumulate_triplets(*(np.concatenate(part) for part in zip(fixed, forward, backward)), len(T))
@@ -898,20 +1031,10 @@ def build_projection(
             indices, likelihoods, dropped = sort_and_cut(s, t, w, len(S), top_k)
             bar.update(len(S))
     exact_ids = torch.from_numpy(np.flatnonzero(exact_rows).astype(np.int64))
-    parameters = dict(top_k=top_k, max_pieces=max_pieces, decay=float(decay), reverse=bool(reverse),
-                      reverse_weight=float(reverse_weight), exact=bool(exact), pair_specials=bool(pair_specials))
     with phases("report"):
-        report = _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, fwd.status, rev.status,
-                              parameters, S, T)
+        report = _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, *statuses, parameters, S, T)
     report.phase_seconds, report.peak_rss_bytes = phases.seconds, phases.rss
-    metadata = {"format_version": 1,
-                "student_model_id": student_model_id if student_model_id is not None else S.name,
-                "teacher_model_id": teacher_model_id if teacher_model_id is not None else T.name,
-                "student_vocab_size": len(S), "teacher_vocab_size": len(T),
-                "student_fingerprint": S.fingerprint, "teacher_fingerprint": T.fingerprint,
-                "builder": {"name": "xtoken_dp.projection.build_projection", "version": xtoken_dp.__version__,
-                            **parameters},
-                "report": report.to_dict()}
+    metadata = _build_metadata(S, T, parameters, report, student_model_id, teacher_model_id)
     return ProjectionBuild(indices, likelihoods, exact_ids, metadata, report)
 
 # %% ../nbs/05_projection.ipynb #6f51fc56
@@ -929,9 +1052,9 @@ def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forw
     covered = int((torch.bincount(indices[live], minlength=len(T)) > 0).sum())
     def common(xtoken_loss):
         if len(S) == 0: return 0
-        result, _ = exact_token_map_parts(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=len(T),
-                                           exact_student_ids=None if xtoken_loss else exact_ids, source="build")
-        return int(result["common_student"].numel())
+        pairs = _common_pairs(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=len(T),
+                              exact_student_ids=None if xtoken_loss else exact_ids)
+        return int(pairs[0].numel())
     counts = lambda status: {name: int((status == i).sum()) for i, name in enumerate(STATUS_NAMES)}
     empty_ids = (~nonempty).nonzero().squeeze(1)
     return ProjectionReport(
@@ -1041,38 +1164,45 @@ def _short(value, width=100):
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
 
-def describe_projection_file(
-    path, # a projection file
-) -> str:
-    "The text `xtoken-dp projection inspect` prints: format, shapes, metadata, exact-map sizes."
-    line = lambda label, text: f"  {label:<20} {text}"
-    obj = load_projection_object(path)
-    if projection_format(obj, path) == "sparse":
-        coo, values, v_s, v_t = _parse_sparse(obj, os.fspath(path))
-        low, high = (float(values.min()), float(values.max())) if values.numel() else (0.0, 0.0)
-        return "\n".join([f"{path}: sparse projection", line("entries", f"{values.numel():,}"),
-                          line("sizes", f"student {v_s:,} x teacher {v_t:,} (inferred from the ids)"),
-                          line("value range", f"[{low:g}, {high:g}]")])
-    dense = load_dense_projection(path)
+def _line(label, text): return f"  {label:<20} {text}"
+
+def _describe_sparse(obj, path) -> str:
+    coo, values, v_s, v_t = _parse_sparse(obj, os.fspath(path))
+    low, high = (float(values.min()), float(values.max())) if values.numel() else (0.0, 0.0)
+    return "\n".join([f"{path}: sparse projection", _line("entries", f"{values.numel():,}"),
+                      _line("sizes", f"student {v_s:,} x teacher {v_t:,} (inferred from the ids)"),
+                      _line("value range", f"[{low:g}, {high:g}]")])
+
+def _describe_dense(dense: DenseProjection, path) -> str:
+    "The dense file's summary; the exact maps are counted, never materialised (no allocation by a declared size)."
     v_rows, k = dense.indices.shape
     live = dense.indices[dense.indices >= 0]
     v_t = dense.metadata.get("teacher_vocab_size", int(live.max()) + 1 if live.numel() else 0)
     exact = "none recorded" if dense.exact_student_ids is None else f"{dense.exact_student_ids.numel():,}"
     lines = [f"{path}: dense top-k projection",
-             line("indices", f"{list(dense.indices.shape)} int64, likelihoods {list(dense.likelihoods.shape)} float32"),
-             line("sizes", f"student rows {v_rows:,}, K {k}, teacher vocab {v_t:,}"
-                           f"{'' if 'teacher_vocab_size' in dense.metadata else ' (inferred from the ids)'}"),
-             line("exact_student_ids", exact)]
+             _line("indices", f"{list(dense.indices.shape)} int64, likelihoods {list(dense.likelihoods.shape)} float32"),
+             _line("sizes", f"student rows {v_rows:,}, K {k}, teacher vocab {v_t:,}"
+                            f"{'' if 'teacher_vocab_size' in dense.metadata else ' (inferred from the ids)'}"),
+             _line("exact_student_ids", exact)]
     for key, value in dense.metadata.items():
         if key == "report" and isinstance(value, dict):
             value = {k: value[k] for k in ("exact_rows", "empty_rows", "violations") if k in value}
-        lines.append(line(key, _short(value)))
+        lines.append(_line(key, _short(value)))
     for mode, relaxed in (("strict", False), ("relaxed", True)):
-        result, _ = exact_token_map_parts(dense.indices, dense.likelihoods, xtoken_loss=relaxed, teacher_vocab_size=v_t,
-                                           exact_student_ids=None if relaxed else dense.exact_student_ids, source=str(path))
-        n = result["common_student"].numel()
-        lines.append(line("exact map", f"{mode}: {n:,} common ids ({n / max(v_rows, 1):.1%} of rows)"))
+        common_student, _ = _common_pairs(dense.indices, dense.likelihoods, xtoken_loss=relaxed, teacher_vocab_size=v_t,
+                                          exact_student_ids=None if relaxed else dense.exact_student_ids)
+        n = common_student.numel()
+        lines.append(_line("exact map", f"{mode}: {n:,} common ids ({n / max(v_rows, 1):.1%} of rows)"))
     return "\n".join(lines)
+
+def describe_projection_file(
+    path, # a projection file
+) -> str:
+    "The text `xtoken-dp projection inspect` prints: format, shapes, metadata, exact-map sizes."
+    with _reading(path):
+        obj = load_projection_object(path)
+        if projection_format(obj, path) == "sparse": return _describe_sparse(obj, path)
+        return _describe_dense(_dense_parts(obj, os.fspath(path)), path)
 
 # %% ../nbs/05_projection.ipynb #d53c231b
 def _plain(value, where="file"):
@@ -1098,7 +1228,8 @@ def convert_projection_file(
                          "(--trust-source) only for files from a source you trust")
     if not os.path.isfile(src): raise FileNotFoundError(f"projection file not found: {os.fspath(src)!r}")
     obj = _plain(torch.load(src, map_location="cpu", weights_only=False))
-    projection_format(obj, src)
+    with _reading(src):   # errors name the source file, not the temporary one
+        (_parse_dense if projection_format(obj, src) == "dense" else _parse_sparse)(obj, os.fspath(src))
     dst = Path(dst)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent if str(dst.parent) else ".")
     os.close(fd)

@@ -10,7 +10,7 @@ import argparse, array, base64, functools, hashlib, importlib, importlib.metadat
 import re, shutil, subprocess, sys, sysconfig, tempfile, threading, unicodedata, uuid, warnings, weakref, zipfile
 from dataclasses import dataclass, asdict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import tokenizers
@@ -27,7 +27,7 @@ __all__ = ['TOKENIZER_SOURCES', 'QWEN_PAT_STR', 'CHAT_TEMPLATES', 'CHAT_TEMPLATE
            'TokenizerIntegrityError', 'special_token_roles', 'role_code', 'load_tokenizer', 'load_mistral_tekken',
            'load_mistral_spm', 'load_qwen2', 'load_bert_uncased', 'Availability', 'available_tokenizers',
            'clear_tokenizer_cache', 'PieceBytesTable', 'piece_bytes_table', 'TokenSpans', 'new_spans', 'SpanList',
-           'span_columns', 'encode_for_spans', 'char_to_byte_offsets', 'ids_array', 'light_witness',
+           'span_columns', 'InvalidTextError', 'encode_for_spans', 'char_to_byte_offsets', 'ids_array', 'light_witness',
            'batch_token_byte_spans', 'token_byte_spans', 'spans_table', 'TokenizerInfo', 'describe_tokenizer',
            'stdlib_source_files', 'toy_corpus', 'train_toy_tokenizer', 'load_tokenizer_file']
 
@@ -622,6 +622,47 @@ def _variant_of_cached_base(name: str, root: Path) -> tuple[_Built | None, str |
     return _Built(Tokenizer.from_str(tok.backend_tokenizer.to_str()), **_BUILT_FACTS[name]), "cache"
 
 # %% ../nbs/03_tokenizers.ipynb #43ea1c10
+def _check_template_flags(add_bos, add_eos, refresh) -> None:
+    for arg, val in (("add_bos", add_bos), ("add_eos", add_eos), ("refresh", refresh)):
+        if val is not None and not isinstance(val, bool):
+            expected = "a bool" if arg == "refresh" else "None or a bool"
+            raise TypeError(f"{arg}: expected {expected}, got {type(val).__name__}")
+
+def _cached_tokenizer(entry: Path, name: str, load_kwargs: dict) -> PreTrainedTokenizerFast | None:
+    "The tokenizer of a usable cache entry; None when there is none (an unusable one warns that it is rebuilt)."
+    if not entry.exists(): return None
+    try: tok, meta = _read_entry(entry)
+    except ValueError as e:
+        warnings.warn(f"tokenizer cache entry {entry} is unusable ({e}); rebuilding it", TokenizerCacheWarning,
+                      stacklevel=3)
+        return None
+    return _attach_reference(tok, name, entry, meta["fingerprint"], load_kwargs)
+
+def _entry_meta(name: str, built: _Built, origin: str, flags: dict, template_name, bos: bool, eos: bool, tok) -> dict:
+    "The `meta.json` of a fresh build: source, versions, specials, template flags, roles, fingerprint."
+    src, roles = _source(name), special_token_roles(tok)
+    return {"format": "xtoken_dp tokenizer cache entry", "schema": LOADER_SCHEMA_VERSION, "name": name,
+            "requirement": src.requirement, "member": src.member, "source_sha256": src.sha256,
+            "source_origin": origin, "versions": {"transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__}, "special_tokens": built.specials, **flags,
+            "chat_template_name": template_name, "add_bos": bos, "add_eos": eos,
+            "roles": {str(i): list(r) for i, r in roles.items() if r != ("other",)},
+            "fingerprint": tokenizer_fingerprint(tok)}
+
+def _build_into(entry: Path, name: str, root: Path, *, path, assets_dir, cache_dir, add_bos, add_eos, template,
+                template_name, refresh: bool) -> None:
+    "Build `name` (from the cached default's backend when only the template differs), check it, write `entry`."
+    built, origin = _variant_of_cached_base(name, root) if not refresh and path is None else (None, None)
+    if built is None:
+        resolved = resolve_tokenizer_source(name, path=path, assets_dir=assets_dir, cache_dir=cache_dir)
+        built, origin = _BUILDERS[name](resolved.path), resolved.origin
+    bos, eos = _install_template(built, name, add_bos, add_eos)
+    flags = {"bos_token_in_template": bos, "eos_token_in_template": eos, "chat_template": template}
+    tok = _wrap_backend(built.backend, built.specials, flags)
+    _check_built(name, tok, bos, eos)
+    meta = _entry_meta(name, built, origin, flags, template_name, bos, eos, tok)
+    _write_entry(entry, tok.backend_tokenizer, meta, replace=refresh)
+
 def load_tokenizer(name: str,                                    # one of `TOKENIZER_SOURCES`
                    *, path: str | os.PathLike | None = None,     # explicit source file
                    assets_dir: str | os.PathLike | None = None,  # assets folder (else $XTOKEN_DP_ASSETS)
@@ -632,11 +673,8 @@ def load_tokenizer(name: str,                                    # one of `TOKEN
                    refresh: bool = False,                        # rebuild even when cached
                   ) -> PreTrainedTokenizerFast:
     "Load a real tokenizer offline: from its cache entry, else built from its sha256-checked source file."
-    src = _source(name)
-    for arg, val in (("add_bos", add_bos), ("add_eos", add_eos), ("refresh", refresh)):
-        if val is not None and not isinstance(val, bool):
-            expected = "a bool" if arg == "refresh" else "None or a bool"
-            raise TypeError(f"{arg}: expected {expected}, got {type(val).__name__}")
+    _source(name)
+    _check_template_flags(add_bos, add_eos, refresh)
     template_name, template = _resolve_chat_template(name, chat_template)
     root = tokenizer_cache_root(cache_dir)
     entry = _tokenizer_entry(name, root, add_bos, add_eos, template)
@@ -644,29 +682,10 @@ def load_tokenizer(name: str,                                    # one of `TOKEN
                        assets_dir=None if assets_dir is None else str(assets_dir), add_eos=add_eos,
                        chat_template=chat_template)
     if path is not None: resolve_tokenizer_source(name, path=path)    # an explicit file is always checked
-    if not refresh and entry.exists():
-        try: tok, meta = _read_entry(entry)
-        except ValueError as e:
-            warnings.warn(f"tokenizer cache entry {entry} is unusable ({e}); rebuilding it", TokenizerCacheWarning,
-                          stacklevel=2)
-        else: return _attach_reference(tok, name, entry, meta["fingerprint"], load_kwargs)
-    built, origin = _variant_of_cached_base(name, root) if not refresh and path is None else (None, None)
-    if built is None:
-        resolved = resolve_tokenizer_source(name, path=path, assets_dir=assets_dir, cache_dir=cache_dir)
-        built, origin = _BUILDERS[name](resolved.path), resolved.origin
-    bos, eos = _install_template(built, name, add_bos, add_eos)
-    flags = {"bos_token_in_template": bos, "eos_token_in_template": eos, "chat_template": template}
-    tok = _wrap_backend(built.backend, built.specials, flags)
-    _check_built(name, tok, bos, eos)
-    roles = special_token_roles(tok)
-    meta = {"format": "xtoken_dp tokenizer cache entry", "schema": LOADER_SCHEMA_VERSION, "name": name,
-            "requirement": src.requirement, "member": src.member, "source_sha256": src.sha256,
-            "source_origin": origin, "versions": {"transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__}, "special_tokens": built.specials, **flags,
-            "chat_template_name": template_name, "add_bos": bos, "add_eos": eos,
-            "roles": {str(i): list(r) for i, r in roles.items() if r != ("other",)},
-            "fingerprint": tokenizer_fingerprint(tok)}
-    _write_entry(entry, tok.backend_tokenizer, meta, replace=refresh)
+    tok = None if refresh else _cached_tokenizer(entry, name, load_kwargs)
+    if tok is not None: return tok
+    _build_into(entry, name, root, path=path, assets_dir=assets_dir, cache_dir=cache_dir, add_bos=add_bos,
+                add_eos=add_eos, template=template, template_name=template_name, refresh=refresh)
     tok, meta = _read_entry(entry)
     return _attach_reference(tok, name, entry, meta["fingerprint"], load_kwargs)
 
@@ -983,6 +1002,38 @@ def span_columns(spans: Sequence[TokenSpans]) -> _SpanColumns:
 # %% ../nbs/03_tokenizers.ipynb #e4150601
 _ENCODE_LOCK = threading.RLock()
 
+class InvalidTextError(ValueError):
+    "A text that is not valid Unicode (it holds a lone surrogate), so it has no UTF-8 bytes to span."
+    def __init__(self, where: str, # the text as the caller names it, e.g. "texts[2]"
+                 index: int,       # its position in the batch
+                 reason: str,      # what is wrong with it
+                ):
+        self.where, self.index, self.reason = where, index, reason
+        super().__init__(f"{where}: {reason}")
+
+def _invalid_text(texts: list[str]) -> InvalidTextError:
+    "The error for the first text of `texts` that has no UTF-8 form (the slow scan runs only after a failure)."
+    for i, t in enumerate(texts):
+        try: t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return InvalidTextError(f"texts[{i}]", i, f"not valid Unicode: character {e.start} is the lone surrogate "
+                                    f"U+{ord(t[e.start]):04X}, which has no UTF-8 form (text decoded with "
+                                    f"errors='surrogateescape' holds one per undecodable byte; decode with "
+                                    f"errors='replace' instead)")
+    return InvalidTextError("texts", -1, "not valid Unicode")   # not reached: called after an encoding failed
+
+_LAST_UTF8: tuple[tuple[str, ...], list[bytes]] = ((), [])   # the last batch's texts and their UTF-8
+
+def _utf8(texts: list[str]) -> list[bytes]:
+    "UTF-8 of every text (`InvalidTextError` if one has none); the next tokenizer of the same batch reuses it."
+    global _LAST_UTF8
+    last_texts, last_bytes = _LAST_UTF8
+    if len(last_texts) == len(texts) and all(map(operator.is_, texts, last_texts)): return last_bytes
+    try: tbs = [t.encode("utf-8") for t in texts]
+    except UnicodeEncodeError: raise _invalid_text(texts) from None
+    _LAST_UTF8 = (tuple(texts), tbs)
+    return tbs
+
 def _encode(tok, texts: list[str], add_special_tokens: bool) -> list:
     "Backend encodings of `texts` with special-token matching off and no truncation or padding."
     bk = tok.backend_tokenizer
@@ -1009,6 +1060,7 @@ def encode_for_spans(tok,                                # a transformers fast t
     texts = list(texts)
     for i, t in enumerate(texts):
         if not isinstance(t, str): raise TypeError(f"texts[{i}]: expected a str, got {type(t).__name__}")
+    _utf8(texts)              # a text without UTF-8 fails here, by name (span recovery then reuses the bytes)
     return _encode(tok, texts, add_special_tokens) if texts else []
 
 def char_to_byte_offsets(text: str, # the text the offsets index
@@ -1076,51 +1128,73 @@ def ids_array(encs) -> tuple[np.ndarray, list[int]]:
 def _fast_spans(prof: _Profile, codes: np.ndarray, texts: list[str], tbs: list[bytes], encs: list,
                 add_special_tokens: bool, check_offsets: bool) -> list[TokenSpans | None]:
     "Fast-path spans for a batch; None for samples the fast path cannot prove exact."
-    n, table = len(encs), prof.table
+    table = prof.table
     ids, counts = ids_array(encs)
     if len(ids) and ids.max() >= min(len(table), len(codes)): raise _StaleProfile(int(ids.max()))
     clen, role = table.content_lengths.take(ids), codes.take(ids)   # take: about 15 % faster than [] here
     bounds = list(itertools.accumulate(counts, initial=0))           # per-sample bookkeeping stays in Python
     lead, trail = (prof.lead, prof.trail) if add_special_tokens else (0, 0)
+    ok = _specials_where_template_puts_them(role, bounds, counts, lead, trail)
+    csum = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum(clen, out=csum[1:])
+    at, nbytes = csum[bounds].tolist(), [len(tb) for tb in tbs]
+    dummy, ok = _dummy_prefix_and_fit(prof.dummy_prefix, at, counts, nbytes, lead, trail, ok)
+    if not all(ok): return _fast_spans_where(ok, prof, codes, texts, tbs, encs, add_special_tokens, check_offsets)
+    failed = _spelling_failures(table, ids, clen, csum, tbs, dummy, nbytes)
+    start, end = _local_spans(csum, clen, at, dummy, counts, bounds, lead)
+    return _fast_results(ids, start, end, role, nbytes, bounds, failed, texts, encs, check_offsets)
+
+def _specials_where_template_puts_them(role, bounds, counts, lead, trail) -> list[bool]:
+    "Per sample: are the specials exactly the template's? One vectorised test for the batch, sample by sample if not."
     ok = [c >= lead + trail for c in counts]
     slots = [b + k for b, c in zip(bounds, counts) for k in (*range(lead), *range(c - trail, c))] if all(ok) else []
     if not all(ok) or np.count_nonzero(role) != len(slots) or (slots and not role[slots].all()):
         ok = _template_specials_only(role != 0, bounds, counts, lead, trail)   # rare: check sample by sample
-    csum = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum(clen, out=csum[1:])
-    at = csum[bounds].tolist()
-    nbytes = [len(tb) for tb in tbs]
-    dummy = [bool(prof.dummy_prefix and c > lead + trail and at[i + 1] - at[i] == nb + 1)
+    return ok
+
+def _dummy_prefix_and_fit(dummy_prefix, at, counts, nbytes, lead, trail, ok) -> tuple[list[bool], list[bool]]:
+    "Per sample: does the first content token carry a virtual space, and do the piece lengths add up to the text?"
+    dummy = [bool(dummy_prefix and c > lead + trail and at[i + 1] - at[i] == nb + 1)
              for i, (c, nb) in enumerate(zip(counts, nbytes))]
     ok = [o and (at[i + 1] - at[i] == nb or d) for i, (o, nb, d) in enumerate(zip(ok, nbytes, dummy))]
-    out: list[TokenSpans | None] = [None] * n
-    if not all(ok):
-        keep = [i for i, o in enumerate(ok) if o]
-        if keep:
-            sub = _fast_spans(prof, codes, [texts[i] for i in keep], [tbs[i] for i in keep], [encs[i] for i in keep],
-                              add_special_tokens, check_offsets)
-            for i, r in zip(keep, sub): out[i] = r
-        return out
-    # every piece byte, gathered in order, must equal the text (a dummy prefix's virtual space included)
+    return dummy, ok
+
+def _fast_spans_where(ok, prof, codes, texts, tbs, encs, add_special_tokens, check_offsets) -> list[TokenSpans | None]:
+    "The fast path on the samples that passed the length checks; None for the others."
+    out: list[TokenSpans | None] = [None] * len(encs)
+    keep = [i for i, o in enumerate(ok) if o]
+    if keep:
+        sub = _fast_spans(prof, codes, [texts[i] for i in keep], [tbs[i] for i in keep], [encs[i] for i in keep],
+                          add_special_tokens, check_offsets)
+        for i, r in zip(keep, sub): out[i] = r
+    return out
+
+def _spelling_failures(table, ids, clen, csum, tbs, dummy, nbytes) -> set[int]:
+    "Samples whose piece bytes, gathered in order, differ from their text (a dummy prefix's virtual space included)."
     ref = b"".join([b" " + tb if d else tb for tb, d in zip(tbs, dummy)]) if any(dummy) else b"".join(tbs)
     src = table.offsets.take(ids)
     src -= csum[:-1]
     gather = np.repeat(src, clen)
     gather += _arange(len(gather))
     got = table.buffer.take(gather).tobytes()
-    failed = set()
-    if got != ref:
-        differs = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(ref, np.uint8))
-        failed = set(np.searchsorted(np.cumsum(np.add(nbytes, dummy)), differs, "right").tolist())
-    # local spans: cumulative piece lengths within each sample, minus the dummy byte
+    if got == ref: return set()
+    differs = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(ref, np.uint8))
+    return set(np.searchsorted(np.cumsum(np.add(nbytes, dummy)), differs, "right").tolist())
+
+def _local_spans(csum, clen, at, dummy, counts, bounds, lead) -> tuple[np.ndarray, np.ndarray]:
+    "Start and end of every token within its sample: cumulative piece lengths, minus the dummy prefix's byte."
     base = [a + d for a, d in zip(at, dummy)]
-    end = csum[1:] - (base[0] if n == 1 else np.repeat(np.array(base, np.int64), counts))
+    end = csum[1:] - (base[0] if len(counts) == 1 else np.repeat(np.array(base, np.int64), counts))
     if any(dummy):
         np.maximum(end, 0, out=end)
         clen = clen.copy(); clen[[bounds[i] + lead for i, d in enumerate(dummy) if d]] -= 1
-    start = end - clen
+    return end - clen, end
+
+def _fast_results(ids, start, end, role, nbytes, bounds, failed, texts, encs, check_offsets) -> list[TokenSpans | None]:
+    "Each sample's spans (None where a check failed); a `SpanList` that keeps the batch's columns when none did."
     exact, run = role == 0, _no_runs(len(ids))
-    for i in range(n):
+    out: list[TokenSpans | None] = [None] * len(nbytes)
+    for i in range(len(nbytes)):
         if i in failed: continue
         a, b = bounds[i], bounds[i + 1]
         spans = new_spans(ids[a:b], start[a:b], end[a:b], exact[a:b], role[a:b], run[a:b], nbytes[i])
@@ -1175,75 +1249,98 @@ def _generic_spans(prof: _Profile, codes: np.ndarray, text: str, tb: bytes, enc)
         start[cidx], end[cidx], exact[cidx], run[cidx] = cs, ce, cx, cr
         prev_end = np.full(n, -1, np.int64); prev_end[cidx] = ce
         prev_end = np.maximum.accumulate(prev_end)
-        anchor = np.where(np.arange(n) > cidx[-1], nbytes, np.maximum(prev_end, 0))
+        at = np.where(np.arange(n) > cidx[-1], nbytes, np.maximum(prev_end, 0))
     else:
-        anchor = np.where(np.arange(n) < prof.lead, 0, nbytes)
-    start[special] = end[special] = anchor[special]
+        at = np.where(np.arange(n) < prof.lead, 0, nbytes)
+    start[special] = end[special] = at[special]   # a special sits where the content before it ends
     return TokenSpans(ids, start, end, exact, role, run, nbytes)
 
 def _content_spans(prof, table, ids, s, e, tb):
     "Spans, exactness and fused runs of the content tokens (offset-derived spans `s`, `e`), all groups at once."
-    m = len(ids)
     text = np.frombuffer(tb, np.uint8)
-    plen = table.lengths[ids] if prof.facts.codec != "unknown" else np.full(m, -1, np.int64)  # unknown: never exact
+    plen = table.lengths[ids] if prof.facts.codec != "unknown" else np.full(len(ids), -1, np.int64)  # unknown: never exact
     pofs = table.offsets[ids]
+    g = _overlap_groups(s, e, plen)
+    marked, cand = _exact_candidates(prof, table, pofs, plen, g, text)
+    eff, ends_eff, split = _spelled_groups(table, pofs, plen, g, marked, cand, text)
+    if g.gid is None:                                    # singles only: a split token keeps its own span
+        out_e = np.where(split, s + eff, e)              # a marked token keeps its span: eff = piece minus marker
+        return np.where(split, out_e - eff, s), out_e, split, np.full(len(ids), -1, np.int32)
+    return _group_spans(g, s, e, eff, ends_eff, split)
+
+class _Groups(NamedTuple):
+    "Maximal groups of consecutive content tokens whose spans overlap (`gid` None: every token is its own group)."
+    first: np.ndarray       # index of each group's first token
+    u0: np.ndarray          # start of each group's union span
+    u1: np.ndarray          # end of each group's union span
+    before: np.ndarray      # the furthest end of any token before the group (-1 for the first)
+    no_piece: np.ndarray    # the group holds a token without piece bytes
+    total: np.ndarray       # the group's summed piece lengths
+    gid: np.ndarray | None  # each token's group
+    sizes: np.ndarray | None  # tokens per group
+
+def _overlap_groups(s, e, plen) -> _Groups:
+    "The overlap groups of the content tokens; the common case (no overlaps) costs no reductions."
+    m = len(s)
     runmax = np.maximum.accumulate(e)
     new_group = np.ones(m, bool); new_group[1:] = s[1:] >= runmax[:-1]
-    singles_only = bool(new_group.all())
-    if singles_only:                                     # the common case: no overlaps, every token its own group
-        starts, gid, u0, u1, sizes = None, None, s, e, None
-        no_piece, total = plen < 0, np.maximum(plen, 0)
+    if new_group.all():
         before = np.empty(m, np.int64); before[0] = -1; before[1:] = runmax[:-1]
-    else:
-        starts = np.flatnonzero(new_group)
-        sizes = np.diff(np.append(starts, m))
-        gid = np.cumsum(new_group) - 1
-        u0, u1 = np.minimum.reduceat(s, starts), np.maximum.reduceat(e, starts)
-        before = np.where(starts > 0, runmax[np.maximum(starts - 1, 0)], -1)
-        no_piece = np.add.reduceat((plen < 0).astype(np.int64), starts) > 0
-        total = np.add.reduceat(np.maximum(plen, 0), starts)
-    first = np.arange(m) if singles_only else starts
-    span = u1 - u0
+        return _Groups(np.arange(m), s, e, before, plen < 0, np.maximum(plen, 0), None, None)
+    starts = np.flatnonzero(new_group)
+    return _Groups(starts, np.minimum.reduceat(s, starts), np.maximum.reduceat(e, starts),
+                   np.where(starts > 0, runmax[np.maximum(starts - 1, 0)], -1),
+                   np.add.reduceat((plen < 0).astype(np.int64), starts) > 0,
+                   np.add.reduceat(np.maximum(plen, 0), starts), np.cumsum(new_group) - 1,
+                   np.diff(np.append(starts, m)))
+
+def _exact_candidates(prof, table, pofs, plen, g: _Groups, text) -> tuple[np.ndarray, np.ndarray]:
+    "Groups that may be exact: (marked, candidate). Pieces as long as the span, or one longer by an allowed marker."
+    span = g.u1 - g.u0
     # leading-marker rule: a word-start marker (or a first-token dummy prefix) before an uncovered space or at 0
-    marker_ok = np.full(len(first), prof.space_marker)
+    marker_ok = np.full(len(g.first), prof.space_marker)
     marker_ok[0] |= prof.dummy_prefix
-    prev_ws = u0 == 0
+    prev_ws = g.u0 == 0
     pos = ~prev_ws
-    prev_ws[pos] = _WHITESPACE_BYTES[text[u0[pos] - 1]] & (before[pos] < u0[pos])
+    prev_ws[pos] = _WHITESPACE_BYTES[text[g.u0[pos] - 1]] & (g.before[pos] < g.u0[pos])
     marker_ok &= prev_ws
-    first_len = plen[first]
-    first_space = np.zeros(len(first), bool)
-    has = first_len > 0
-    first_space[has] = table.buffer[pofs[first][has]] == 0x20
-    plain = ~no_piece & (total == span)
-    marked = ~no_piece & ~plain & marker_ok & (total == span + 1) & first_space
-    cand = plain | marked
-    # compare the candidates' piece bytes with their source bytes, all groups in one gather
-    skip = np.zeros(m, np.int64); skip[first[marked]] = 1
-    eff = np.where(cand if singles_only else cand[gid], np.maximum(plen, 0) - skip, 0)
+    first_space = np.zeros(len(g.first), bool)
+    has = plen[g.first] > 0
+    first_space[has] = table.buffer[pofs[g.first][has]] == 0x20
+    plain = ~g.no_piece & (g.total == span)
+    marked = ~g.no_piece & ~plain & marker_ok & (g.total == span + 1) & first_space
+    return marked, plain | marked
+
+def _spelled_groups(table, pofs, plen, g: _Groups, marked, cand, text) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    "(effective piece lengths, their running ends, groups whose pieces spell their source bytes): one gather."
+    m = len(plen)
+    skip = np.zeros(m, np.int64); skip[g.first[marked]] = 1
+    eff = np.where(cand if g.gid is None else cand[g.gid], np.maximum(plen, 0) - skip, 0)
     ends_eff = np.cumsum(eff)
     n_bytes = int(ends_eff[-1]) if m else 0
     split = cand.copy()
     if n_bytes:
         p_idx = np.repeat(pofs + skip - (ends_eff - eff), eff) + _arange(n_bytes)
-        cspan = np.where(cand, span, 0)
+        cspan = np.where(cand, g.u1 - g.u0, 0)
         g_end = np.cumsum(cspan)
-        t_idx = np.repeat(u0 - (g_end - cspan), cspan) + _arange(n_bytes)
+        t_idx = np.repeat(g.u0 - (g_end - cspan), cspan) + _arange(n_bytes)
         differs = np.flatnonzero(table.buffer[p_idx] != text[t_idx])
         if len(differs): split[np.unique(np.searchsorted(g_end, differs, "right"))] = False
-    if singles_only:
-        out_e = np.where(split, s + eff, e)              # a marked token keeps its span: eff = piece minus marker
-        return np.where(split, out_e - eff, s), out_e, split, np.full(m, -1, np.int32)
+    return eff, ends_eff, split
+
+def _group_spans(g: _Groups, s, e, eff, ends_eff, split):
+    "Spans when tokens overlap: a spelled group is split by cumulative piece lengths, any other is one fused run."
+    gid = g.gid
     exact = split[gid]
-    group_base = (ends_eff - eff)[starts]                 # stream position where each group starts
-    out_e = np.where(exact, u0[gid] + ends_eff - group_base[gid], e)
+    group_base = (ends_eff - eff)[g.first]               # stream position where each group starts
+    out_e = np.where(exact, g.u0[gid] + ends_eff - group_base[gid], e)
     out_s = np.where(exact, out_e - eff, s)
-    fused = ~split & (sizes > 1)
-    run = np.full(m, -1, np.int32)
+    fused = ~split & (g.sizes > 1)
+    run = np.full(len(s), -1, np.int32)
     if fused.any():
         in_run = fused[gid]
         run[in_run] = (np.cumsum(fused) - 1)[gid[in_run]]
-        out_s[in_run], out_e[in_run] = u0[gid[in_run]], u1[gid[in_run]]
+        out_s[in_run], out_e[in_run] = g.u0[gid[in_run]], g.u1[gid[in_run]]
     return out_s, out_e, exact, run
 
 # %% ../nbs/03_tokenizers.ipynb #ab998b05
@@ -1333,17 +1430,6 @@ def _spans_of_batch(prof, codes, texts, tbs, encodings, add_special_tokens, path
         if r is None: out[i] = _generic_spans(prof, codes, texts[i], tbs[i], encodings[i])
     return out
 
-_LAST_UTF8: tuple[tuple[str, ...], list[bytes]] = ((), [])   # the last batch's texts and their UTF-8
-
-def _utf8(texts: list[str]) -> list[bytes]:
-    "UTF-8 of every text; the next tokenizer of the same batch (the very same str objects) reuses it."
-    global _LAST_UTF8
-    last_texts, last_bytes = _LAST_UTF8
-    if len(last_texts) == len(texts) and all(map(operator.is_, texts, last_texts)): return last_bytes
-    tbs = [t.encode("utf-8") for t in texts]
-    _LAST_UTF8 = (tuple(texts), tbs)
-    return tbs
-
 def batch_token_byte_spans(tok,                            # a transformers fast tokenizer
                            texts: Sequence[str],           # the texts, encoded in one backend call
                            *, add_special_tokens: bool = True, # apply the tokenizer's template
@@ -1359,12 +1445,12 @@ def batch_token_byte_spans(tok,                            # a transformers fast
         if not isinstance(t, str): raise TypeError(f"texts[{i}]: expected a str, got {type(t).__name__}")
     if path not in ("auto", "generic"): raise ValueError(f"path: expected 'auto' or 'generic', got {path!r}")
     texts = list(texts)
+    tbs = _utf8(texts)        # before the tokenizer, which would fail on text without UTF-8 with an opaque error
     if encodings is None: encodings = _encode(tok, texts, add_special_tokens) if texts else []
     else:
         encodings = [_as_encoding(e) for e in encodings]
         if len(encodings) != len(texts):
             raise ValueError(f"encodings: expected {len(texts)} (one per text), got {len(encodings)}")
-    tbs = _utf8(texts)
     try: return _spans_of_batch(*_profile(tok), texts, tbs, encodings, add_special_tokens, path, check_offsets)
     except _StaleProfile: pass                       # ids beyond the profiled vocabulary: tokens were added
     try: return _spans_of_batch(*_profile(tok, refresh=True), texts, tbs, encodings, add_special_tokens, path,
@@ -1381,8 +1467,9 @@ def token_byte_spans(tok,                                # a transformers fast t
                     ) -> TokenSpans:
     "Byte span, exactness, role and fused run of every token of `text`."
     if not isinstance(text, str): raise TypeError(f"text: expected a str, got {type(text).__name__}")
-    return batch_token_byte_spans(tok, [text], add_special_tokens=add_special_tokens, path=path,
-                                  encodings=None if encoding is None else [encoding], check_offsets=check_offsets)[0]
+    try: return batch_token_byte_spans(tok, [text], add_special_tokens=add_special_tokens, path=path,
+                                       encodings=None if encoding is None else [encoding], check_offsets=check_offsets)[0]
+    except InvalidTextError as e: raise InvalidTextError("text", 0, e.reason) from None
 
 # %% ../nbs/03_tokenizers.ipynb #1f9515b2
 def spans_table(tok,             # a transformers fast tokenizer
@@ -1580,6 +1667,28 @@ def train_toy_tokenizer(kind: str,                                 # one of TOY_
     _write_entry(entry, tok.backend_tokenizer, meta)
     return _read_entry(entry)[0]
 
+def _read_json_file(path: Path, what: str) -> Any:
+    "The JSON in `path`, or `ValueError` naming the file and what is wrong with it."
+    raw = path.read_bytes()
+    try: text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a {what}: expected UTF-8 JSON text, got byte {raw[e.start]:#04x} at offset "
+                         f"{e.start}") from None
+    try: return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a {what}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg})"
+                         f"{' (the file is empty)' if not text.strip() else ''}") from None
+
+def _not_a_tokenizer(tj: Path, error: Exception) -> ValueError:
+    "Why the tokenizers library refused `tj`, in words: not JSON, not a tokenizer's JSON, or the library's reason."
+    cfg = _read_json_file(tj, "tokenizer.json")   # raises for bytes that are not JSON
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        found = f"an object with keys {sorted(cfg)[:8]}" if isinstance(cfg, dict) else f"a JSON {type(cfg).__name__}"
+        return ValueError(f"{tj}: not a tokenizer.json: expected a JSON object with a 'model' object (the format "
+                          f"tokenizers saves), got {found}")
+    detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    return ValueError(f"{tj}: the tokenizers library cannot build a tokenizer from this tokenizer.json: {detail}")
+
 def load_tokenizer_file(path: str | os.PathLike, # a tokenizer.json, or a folder holding one (and maybe meta.json)
                         **special_tokens,        # named special tokens (bos_token=..., ...), over meta.json's
                        ) -> PreTrainedTokenizerFast:
@@ -1589,6 +1698,10 @@ def load_tokenizer_file(path: str | os.PathLike, # a tokenizer.json, or a folder
     if not tj.is_file(): raise FileNotFoundError(f"path: no tokenizer.json at {p}")
     bad = sorted(set(special_tokens) - set(_NAMED_SPECIAL_ATTRS))
     if bad: raise ValueError(f"special_tokens: expected names from {_NAMED_SPECIAL_ATTRS}, got {bad}")
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta = _read_json_file(meta_file, "meta.json") if meta_file.is_file() else {}
+    if not isinstance(meta, dict) or not isinstance(meta.get("special_tokens", {}), dict):
+        raise ValueError(f"{meta_file}: not a meta.json: expected a JSON object whose 'special_tokens' is an object, "
+                         f"got {meta!r:.120}")
     if "tokenizer_json_sha256" in meta: verify_sha256(tj, meta["tokenizer_json_sha256"])
-    return _wrap_backend(tj, {**meta.get("special_tokens", {}), **special_tokens}, meta)
+    try: return _wrap_backend(tj, {**meta.get("special_tokens", {}), **special_tokens}, meta)
+    except Exception as e: raise _not_a_tokenizer(tj, e) from e
