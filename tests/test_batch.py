@@ -1,10 +1,12 @@
-"""Acceptance tests 1-30 of batch.md §8 for `xtoken_dp.batch`, with real processes, real files and a real Ray.
+"""The acceptance tests of the batch containers (`xtoken_dp.batch` and the modules it gathers), with real processes,
+real files and a real Ray.
 
-The notebook `nbs/02_batch.ipynb` asserts most behaviours as examples; this file holds every acceptance test as a
-pytest test named `test_<number>_...` (so each can be run alone), plus what a notebook cannot host: the `python -O`
-check, a fresh-process import check, spawned `mp.Queue` and `DataLoader` workers (fork and spawn), Ray, and
-hypothesis properties of the offsets kernels against a per-row reference. Set `XTOKEN_DP_HYPOTHESIS_EXAMPLES` to run
-more examples (default 25). Test 30 needs CUDA and is skipped without it.
+The notebooks `nbs/02*_*.ipynb` (ragged, dataproto, tensorclasses, persistence, batch) assert most behaviours as
+examples; this file holds every acceptance test as a pytest test named `test_<number>_...` (so each can be run
+alone), plus what a notebook cannot host: the `python -O` check, a fresh-process import check, spawned `mp.Queue`
+and `DataLoader` workers (fork and spawn), Ray, and hypothesis properties of the offsets kernels against a per-row
+reference. Set `XTOKEN_DP_HYPOTHESIS_EXAMPLES` to run more examples (default 25). Test 30 needs CUDA and is skipped
+without it. Hostile directories are in `test_batch_hostile.py`, rows that disagree in `test_batch_rows.py`.
 """
 import json
 import os
@@ -182,9 +184,13 @@ def test_01_invariants_hold_under_python_O():
     assert out.stdout.strip() == "asserts stripped: True | not raised: []", out.stdout + out.stderr
 
 
-def test_01_library_has_no_assert_statements():
+BATCH_MODULES = ("ragged", "dataproto", "tensorclasses", "persistence", "batch")
+
+
+@pytest.mark.parametrize("module", BATCH_MODULES)
+def test_01_library_has_no_assert_statements(module):
     import ast
-    tree = ast.parse((ROOT / "xtoken_dp" / "batch.py").read_text())
+    tree = ast.parse((ROOT / "xtoken_dp" / f"{module}.py").read_text())
     assert [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)] == []
 
 
@@ -256,8 +262,9 @@ def test_06_offsets_sharing_survives_every_op(schema, tmp_path):
     results.update({f"chunk{i}": p for i, p in enumerate(dp.chunk(4))})
     results.update({f"split{i}": p for i, p in enumerate(dp.split([3, 0, 5]))})
     dp.save(tmp_path / "saved")
-    results["load"], results["load_cpu"] = DataProto.load(tmp_path / "saved"), DataProto.load(tmp_path / "saved", device="cpu")
-    results["load_meta"] = DataProto.load(tmp_path / "saved", device="meta")
+    results["load"] = DataProto.load(tmp_path / "saved", allow_pickle=True)
+    results["load_cpu"] = DataProto.load(tmp_path / "saved", device="cpu", allow_pickle=True)
+    results["load_meta"] = DataProto.load(tmp_path / "saved", device="meta", allow_pickle=True)
     for name, out in results.items():
         assert_shared(out)
         for group_keys in out.groups.values():  # no group is split or merged with another
@@ -355,8 +362,9 @@ def test_10_chunk_and_split_are_views_with_checked_sizes():
                 dp.batch.get("logprobs").values().untyped_storage().data_ptr()
     assert [len(p) for p in dp.split(5)] == [5, 5, 2]
     expect(ValueError, lambda: dp.split([5, 5]), "summing to N=12")
-    expect(ValueError, lambda: dp.split([13, -1]), "non-negative")
-    expect(ValueError, lambda: dp.split(0), "split_size")
+    expect(ValueError, lambda: dp.split([13, -1]), "split_size[1]: expected an int >= 0, got -1")
+    expect(ValueError, lambda: dp.split(0), "split_size: expected an int >= 1, got 0")
+    expect(TypeError, lambda: dp.split(2.5), "split_size: expected an int")
 
 
 def test_11_repeat_interleave_and_tile_equal_reference():
@@ -365,7 +373,8 @@ def test_11_repeat_interleave_and_tile_equal_reference():
     assert_rows(dp.repeat(3), [r for r in rows for _ in range(3)])
     assert_rows(dp.repeat(3, interleave=False), rows * 3)
     assert dp.repeat(1) == dp and dp.repeat(1) is not dp
-    for bad in (0, -1, 1.5, True): expect(ValueError, lambda: dp.repeat(bad), "repeat_times")
+    for bad in (0, -1): expect(ValueError, lambda: dp.repeat(bad), f"repeat_times: expected an int >= 1, got {bad}")
+    for bad in (1.5, True): expect(TypeError, lambda: dp.repeat(bad), "repeat_times: expected an int >= 1")
 
 
 def test_12_make_iterator_counts_rows_and_seeds():
@@ -526,7 +535,8 @@ def test_19_persistence_round_trip_is_exact(tmp_path):
     dp.non_tensor_batch["numbers"] = np.arange(7, dtype=np.int16)
     dp.schema = Schema([*dp.schema, FieldSpec("numbers", "object")])
     dp.save(tmp_path / "dp", num_threads=2)
-    back = DataProto.load(tmp_path / "dp")
+    expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "dp"), "allow_pickle=True")  # pickles: opt in
+    back = DataProto.load(tmp_path / "dp", allow_pickle=True)
     assert type(back) is DataProto and back == dp and back.schema == dp.schema
     assert_rows(back.select(None, ["uid"]), rows); assert_shared(back)
     for key in dp.batch.keys():
@@ -549,7 +559,7 @@ def test_20_meta_loading_reads_only_the_manifest(tmp_path):
     rd.save(tmp_path / "rd")
     for path in (tmp_path / "dp", tmp_path / "rd"):
         shutil.rmtree(path / "tensors"); shutil.rmtree(path / "offsets")
-    meta = DataProto.load(tmp_path / "dp", device="meta")
+    meta = DataProto.load(tmp_path / "dp", device="meta", allow_pickle=True)
     for key in dp.batch.keys():
         a, b = dp.batch.get(key), meta.batch.get(key)
         assert b.device.type == "meta" and a.dtype == b.dtype and a.shape[2 if a.is_nested else 1:] == b.shape[2 if b.is_nested else 1:]
@@ -564,14 +574,14 @@ def test_20_meta_loading_reads_only_the_manifest(tmp_path):
 def test_21_device_none_maps_files_and_cpu_copies(tmp_path):
     dp = build(make_rows(5, seed=16))
     dp.save(tmp_path / "dp")
-    mapped = DataProto.load(tmp_path / "dp")
+    mapped = DataProto.load(tmp_path / "dp", allow_pickle=True)
     mapped.batch.get("logprobs").values()[0] = 123.0
     mapped.batch.get("reward")[1] = -5.0
-    again = DataProto.load(tmp_path / "dp")
+    again = DataProto.load(tmp_path / "dp", allow_pickle=True)
     assert again.batch.get("logprobs").values()[0].item() == 123.0 and again.batch.get("reward")[1].item() == -5.0
-    copied = DataProto.load(tmp_path / "dp", device="cpu")
+    copied = DataProto.load(tmp_path / "dp", device="cpu", allow_pickle=True)
     copied.batch.get("reward")[1] = 7.0
-    assert DataProto.load(tmp_path / "dp").batch.get("reward")[1].item() == -5.0
+    assert DataProto.load(tmp_path / "dp", allow_pickle=True).batch.get("reward")[1].item() == -5.0
 
 
 def test_22_refuses_directories_that_are_not_ours(tmp_path):
@@ -594,24 +604,27 @@ def test_22_refuses_directories_that_are_not_ours(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     expect(TypeError, lambda: RewardData.load_memmap(tmp_path / "dp"), "DataProto")
     jagged_reward().save(tmp_path / "rd")
-    expect(TypeError, lambda: DataProto.load(tmp_path / "rd"), "RewardData")
+    error = expect(TypeError, lambda: DataProto.load(tmp_path / "rd"), "RewardData")
+    assert isinstance(error, BatchDirectoryError)  # a class mismatch is both
     victim = tmp_path / "dp" / manifest["fields"][1]["file"]
     victim.write_bytes(victim.read_bytes()[:-4])
-    error = expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "dp"), str(victim))
+    error = expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "dp", allow_pickle=True), str(victim))
     assert str(manifest["fields"][1]["nbytes"]) in str(error)
     victim.unlink()
-    expect(FileNotFoundError, lambda: DataProto.load(tmp_path / "dp"), str(victim))
+    expect(FileNotFoundError, lambda: DataProto.load(tmp_path / "dp", allow_pickle=True), str(victim))
     build(make_rows(4)).save(tmp_path / "bad_offsets")
     offsets_file = tmp_path / "bad_offsets" / json.loads((tmp_path / "bad_offsets" / MANIFEST_NAME).read_text())["groups"][0]["file"]
     raw = np.fromfile(offsets_file, dtype=np.int64)
     raw[1], raw[2] = raw[2] + 1, raw[1]
     raw.tofile(offsets_file)
-    expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "bad_offsets"), "offsets")
+    expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "bad_offsets", allow_pickle=True), "offsets")
     build(make_rows(3)).save(tmp_path / "pickles")
     expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "pickles", allow_pickle=False), "allow_pickle=False")
+    error = expect(BatchDirectoryError, lambda: DataProto.load(tmp_path / "pickles"), "allow_pickle=True")  # the default
+    assert "runs whatever code" in str(error) and "objects/0000.pkl" in str(error) and "meta_info.pkl" in str(error)
     no_pickles = build(make_rows(3), meta={}).select(None, [])
     no_pickles.save(tmp_path / "no_pickles")
-    assert DataProto.load(tmp_path / "no_pickles", allow_pickle=False) == no_pickles
+    assert DataProto.load(tmp_path / "no_pickles") == no_pickles
 
 
 def test_23_existing_targets_and_interrupted_writes(tmp_path):
@@ -622,7 +635,7 @@ def test_23_existing_targets_and_interrupted_writes(tmp_path):
     assert os.listdir(tmp_path / "full") == ["keep.txt"]
     (tmp_path / "empty").mkdir()
     dp.save(tmp_path / "empty")  # an empty directory is a fine target
-    assert DataProto.load(tmp_path / "empty") == dp
+    assert DataProto.load(tmp_path / "empty", allow_pickle=True) == dp
     broken = DataProto(dp.batch, dp.non_tensor_batch, {"callback": lambda: None})  # meta_info cannot be pickled
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)): broken.save(tmp_path / "target")
     assert sorted(os.listdir(tmp_path)) == ["empty", "full"]  # no target, no temporary sibling
@@ -677,6 +690,7 @@ def test_24_distill_batch_flat_round_trip_sharing_and_row_alignment():
     batch = DistillBatch.from_flat(flat, teacher_layout=layout).validate()
     assert batch.num_teachers == 3 and batch.teacher_layout == layout and batch.teacher(1).alignment is None
     expect(IndexError, lambda: batch.teacher(3), "[0, 3)")
+    expect(TypeError, lambda: batch.teacher("0"), "i: expected an int")
     s = batch.student.offsets
     assert batch.student.token_mask.offsets() is s and batch.teacher(1).tokens.offsets is s
     for i in (0, 2):
