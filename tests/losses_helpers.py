@@ -249,7 +249,7 @@ def _reduce(rows, how): return rows[0] if how == "first" else mean_rows(rows)
 
 
 def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=False, target="arithmetic",
-            reduce="mean", exact_only=False, anchor=False, eps=1e-10):
+            reduce="mean", exact_only=False, reference=False, eps=1e-10):
     "Σ over valid chunks of κ²·KL_c for P-KL, and the per-chunk values {(b, c): KL_c}."
     V_s, V_t = len(M), len(M[0])
     k = min(topk, V_t)
@@ -270,7 +270,7 @@ def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=Fal
                 r.append([sum(pi[a] * M[a][v] for a in range(V_s)) for v in K])
             ell = [log_softmax([y[b][q][v] for v in K], kappa) for q in Q]
             R = _reduce(r, reduce)
-            if anchor:
+            if reference:  # the reference loss implementation's formulas
                 Lc = _reduce(ell, reduce)
                 Rh = [x / (sum(R) + 1e-10) for x in R]
                 if reverse: value = sum((x + 1e-10) * (math.log(x + 1e-10) - l) for x, l in zip(Rh, Lc))
@@ -286,7 +286,7 @@ def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=Fal
 
 
 def ref_gold(z, y, batch, token_map, *, kappa=1.0, reverse=False, target="arithmetic", reduce="mean",
-             renormalize=False, uncommon_topk=8192, uncommon_weight=1.0, anchor=False, exact_only=False, V_s=V_S):
+             renormalize=False, uncommon_topk=8192, uncommon_weight=1.0, reference=False, exact_only=False, V_s=V_S):
     "(Σ κ²·(kl_common + w·l1), Σ κ²·kl_common, Σ κ²·w·l1, per-chunk) for gold/H-KL."
     cs, ct, us, ut = token_map
     k_u = min(len(us), len(ut), uncommon_topk)
@@ -296,7 +296,7 @@ def ref_gold(z, y, batch, token_map, *, kappa=1.0, reverse=False, target="arithm
         for c in range(len(s.pair_valid)):
             S, Q, ok = s.chunk(c)
             if not ok: continue
-            if anchor:
+            if reference:  # the reference loss implementation's formulas
                 As = _reduce([log_softmax(z[b][p][:V_s], kappa) for p in S], reduce)
                 At = _reduce([log_softmax(y[b][q][:V_T], kappa) for q in Q], reduce)
                 a_s, a_t = [As[i] for i in cs], [At[i] for i in ct]

@@ -23,11 +23,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from xtoken_dp.distill import (ARMS, BLOCK_BYTES, DEFAULT_ARMS, EOS_TOKEN, ArmStack, ArmSpec, DemoConfig, StepBatcher,
-                               TinyGPT, TrainConfig, _curves_figure, _wait_all, alignment_checks, bits_per_byte,
-                               clip_grad_norm_per_arm_, demo_main, demo_projection, is_heldout, load_corpus,
-                               make_eval_set, make_optimizer, next_token_ce, plan_windows, run_demo, student_config,
-                               train_student, train_teacher, train_tokenizers, wrap_tokenizer, STUDENT_CTX, TEACHER_CTX)
+from xtoken_dp.distill import (ARMS, DEFAULT_ARMS, STUDENT_CTX, TEACHER_CTX, ArmSpec, DemoConfig, TinyGPT, TrainConfig,
+                               bits_per_byte, demo_main, demo_projection, load_corpus, make_eval_set, plan_windows,
+                               run_demo, student_config, train_student, train_teacher, train_tokenizers)
+from xtoken_dp.distill import (_BLOCK_BYTES, _EOS_TOKEN, _ArmStack, _StepBatcher, _alignment_checks,  # internals
+                               _clip_grad_norm_per_arm_, _curves_figure, _is_heldout, _make_optimizer, _next_token_ce,
+                               _wait_all, _wrap_tokenizer)
 
 CACHE = Path(os.environ.get("XTOKEN_DP_CACHE", Path.home() / ".cache" / "xtoken_dp")) / "distill"
 NBS = Path(__file__).resolve().parent.parent / "nbs"
@@ -114,7 +115,7 @@ def test_dm1_sha256_changes_with_content(tmp_path):
 # DM2: the tokenizers are different ---------------------------------------------------------------------------------
 
 def _tokenizers_from_files(folder):
-    return {side: wrap_tokenizer(Tokenizer.from_file(str(folder / f"{side}.json"))) for side in ("teacher", "student")}
+    return {side: _wrap_tokenizer(Tokenizer.from_file(str(folder / f"{side}.json"))) for side in ("teacher", "student")}
 
 
 def _bytes_of(tok, kind):
@@ -237,7 +238,7 @@ def test_dm4_quick_run_records_equal_step0_ce(quick_run):
 # The batched arms against the sequential per-arm path ---------------------------------------------------------------
 
 def test_batched_arms_match_sequential_path(corpus, parts):
-    "One ArmStack forward/backward per step computes what one model and one optimiser per arm compute."
+    "One _ArmStack forward/backward per step computes what one model and one optimiser per arm compute."
     toks, teacher, projection = parts
     sides = {"student": (toks.student, STUDENT_CTX), "teacher": (toks.teacher, TEACHER_CTX)}
     plan = plan_windows(corpus.train_text, sides, steps=4, batch_size=16, seed=5)
@@ -263,16 +264,16 @@ def test_stacked_optimizer_and_clipping_match_per_model():
     torch.manual_seed(0)
     models = [TinyGPT(student_config(40)) for _ in range(3)]
     references = [copy.deepcopy(m) for m in models]
-    stack = ArmStack(models)
+    stack = _ArmStack(models)
     train = TrainConfig()
-    opt, sched = make_optimizer(stack, train, 10)
-    ref_opts = [make_optimizer(m, train, 10) for m in references]
+    opt, sched = _make_optimizer(stack, train, 10)
+    ref_opts = [_make_optimizer(m, train, 10) for m in references]
     ids = torch.randint(0, 40, (4, 12))
     scales = [1e-3, 1.0, 300.0]  # below, near and far above the clipping norm
     for _ in range(3):
         opt.zero_grad()
         sum(s * l.square().mean() for s, l in zip(scales, stack(ids))).backward()
-        clip_grad_norm_per_arm_(stack.parameters(), train.clip_norm)
+        _clip_grad_norm_per_arm_(stack.parameters(), train.clip_norm)
         opt.step(); sched.step()
         for m, (o, sch), s in zip(references, ref_opts, scales):
             o.zero_grad(); (s * m(ids).square().mean()).backward()
@@ -289,9 +290,9 @@ def test_next_token_ce_global_normalizer():
     torch.manual_seed(0)
     logits, ids = torch.randn(4, 6, 9), torch.randint(0, 9, (4, 6))
     mask = torch.ones(4, 6, dtype=torch.bool); mask[1, 4:] = False
-    whole = next_token_ce(logits, ids, mask)
+    whole = _next_token_ce(logits, ids, mask)
     n = float(mask[:, 1:].sum())
-    halves = sum(next_token_ce(logits[r], ids[r], mask[r], normalizer=n) for r in (slice(0, 2), slice(2, 4)))
+    halves = sum(_next_token_ce(logits[r], ids[r], mask[r], normalizer=n) for r in (slice(0, 2), slice(2, 4)))
     assert torch.allclose(whole, halves, rtol=1e-6)
 
 
@@ -334,13 +335,13 @@ def test_dm6_alignment_of_training_windows(corpus, parts):
     sides = {"student": (toks.student, STUDENT_CTX), "teacher": (toks.teacher, TEACHER_CTX)}
     windows = [w for step in plan_windows(corpus.train_text, sides, steps=4, batch_size=16, seed=11).windows for w in step]
     windows += ["naïve café 東京 🙂 12345 <pad> <|endoftext|>", "\t\t  x\r\n", "a"]
-    batcher = StepBatcher(toks.student, toks.teacher)
-    checks = alignment_checks(batcher.align(windows), windows, toks.student, toks.teacher)
+    batcher = _StepBatcher(toks.student, toks.teacher)
+    checks = _alignment_checks(batcher.align(windows), windows, toks.student, toks.teacher)
     assert checks["boundary_errors"] == 0 and checks["valid_byte_coverage"] >= 0.95, checks
     # an alignment shifted by one byte is caught: the check can fail
     result = batcher.align(windows[:2])
     result.samples[0].chunk_end[1:] += 1
-    assert alignment_checks(result, windows[:2], toks.student, toks.teacher)["boundary_errors"] > 0
+    assert _alignment_checks(result, windows[:2], toks.student, toks.teacher)["boundary_errors"] > 0
 
 
 # DM7: quick preset end to end --------------------------------------------------------------------------------------
@@ -430,7 +431,7 @@ def test_dm9_user_corpus(tmp_path):
     result = run_demo(DemoConfig(preset="quick", corpus=str(path), out_dir=str(tmp_path / "out"), teacher_steps=20,
                                  student_steps=10, eval_windows=16, curve_every=5, progress=False, verbose=False))
     corpus = result.results["corpus"]
-    assert corpus["kind"] == "blocks" and corpus["n_blocks"] == math.ceil(path.stat().st_size / BLOCK_BYTES)
+    assert corpus["kind"] == "blocks" and corpus["n_blocks"] == math.ceil(path.stat().st_size / _BLOCK_BYTES)
     assert corpus["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert corpus["n_train"] + corpus["n_heldout"] == corpus["n_blocks"] and corpus["n_heldout"] >= 1
     assert all(math.isfinite(v) for vals in result.final_bpb.values() for v in vals)
@@ -444,8 +445,8 @@ def test_dm9_held_out_blocks_follow_the_rule(tmp_path):
     path.write_text("".join(f"{i:07d} some text here\n" for i in range(40_000)))  # 920 KB, 15 blocks
     corpus = load_corpus(path)
     assert corpus.stats["heldout_fallback"] is False
-    assert corpus.heldout_names == [str(i) for i in range(corpus.stats["n_blocks"]) if is_heldout(str(i))]
-    assert "".join(corpus.train_parts[:4]) == path.read_text()[:4 * BLOCK_BYTES]  # blocks 0-3 are training blocks
+    assert corpus.heldout_names == [str(i) for i in range(corpus.stats["n_blocks"]) if _is_heldout(str(i))]
+    assert "".join(corpus.train_parts[:4]) == path.read_text()[:4 * _BLOCK_BYTES]  # blocks 0-3 are training blocks
 
 
 # DM10: data parallelism and IPC -----------------------------------------------------------------------------------

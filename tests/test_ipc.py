@@ -251,7 +251,7 @@ def test_validation_errors(shm_dir, consumer):
             rebuild_teacher_full_logits_from_ipc({DEFAULT_KEY: short}, key="teacher_3_full_logits_ipc")
         with pytest.raises(TypeError, match="expected a list of handle dicts"):
             rebuild_teacher_full_logits_from_ipc({DEFAULT_KEY: "not handles"})
-        with pytest.raises(ValueError, match="vocab_size: expected an int <= 7, got 9"):
+        with pytest.raises(ValueError, match="vocab_size: expected an int >= 1 and <= 7, got 9"):
             p.publish(logits, vocab_size=9)
         with pytest.raises(TypeError, match="logits: expected a torch.Tensor"):
             p.publish(logits.numpy())

@@ -1,14 +1,15 @@
-"""Acceptance tests of `xtoken_dp.losses` (losses.md §11) that run in one process: primitives (L1-L3, L4 local, L5),
+"""Acceptance tests of `xtoken_dp.losses` that run in one process: primitives (L1-L3, L4 local, L5),
 inputs (L6), every mode against a loop reference (L7-L14), aggregation (L15-L18), normalisation and metrics
 (L21, L22). The multi-process tests (L4, L16, L19, L20) are in `test_losses_dist.py`, I11 in `test_losses_ipc.py`.
 """
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from xtoken_dp import losses as L
-from xtoken_dp.bench_chunks import one_hot_chunk_average as one_hot_average  # the seed's one-hot bmm route
+from xtoken_dp.bench.chunks import one_hot_chunk_average as one_hot_average  # the reference loss implementation's one-hot bmm route
 from xtoken_dp.schema import AlignmentBatch, make_jagged, lengths_to_offsets
 from losses_helpers import (V_S, V_T, W_S, W_T, dense_matrix, exact_map_loop, make_batch, make_logits, ref_alm, ref_ce,
                             ref_counts, ref_gold, ref_pkl, ref_topk_kl, ref_uld, rows_of, write_projections)
@@ -323,17 +324,17 @@ def test_L7_ce_uniform_masks_and_all_masked(dense):
 PKL_CASES = [dict(), dict(reverse_kl=True), dict(chunk_target="geometric"), dict(chunk_target="geometric", reverse_kl=True),
              dict(exact_token_match_only=True), dict(temperature=2.0), dict(temperature=2.0, reverse_kl=True),
              dict(chunk_reduce="first"), dict(vocab_topk=3), dict(vocab_topk=3, topk_scope="microbatch"),
-             dict(projection_row_normalize=False), dict(anchor_compat=True), dict(anchor_compat=True, reverse_kl=True)]
+             dict(projection_row_normalize=False), dict(reference_formulas=True), dict(reference_formulas=True, reverse_kl=True)]
 
 
 def _pkl_reference(student, teachers, batch, path, kw):
-    anchor = kw.get("anchor_compat", False)
-    M = dense_matrix(path, row_normalize=kw.get("projection_row_normalize", True) and not anchor)
+    reference = kw.get("reference_formulas", False)
+    M = dense_matrix(path, row_normalize=kw.get("projection_row_normalize", True) and not reference)
     z, y = lists(student, teachers)
     return ref_pkl(z, y, batch, M, kappa=kw.get("temperature", 1.0), topk=kw.get("vocab_topk", 8192),
-                   scope="microbatch" if anchor else kw.get("topk_scope", "sample"), reverse=kw.get("reverse_kl", False),
+                   scope="microbatch" if reference else kw.get("topk_scope", "sample"), reverse=kw.get("reverse_kl", False),
                    target=kw.get("chunk_target", "arithmetic"), reduce=kw.get("chunk_reduce", "mean"),
-                   exact_only=kw.get("exact_token_match_only", False), anchor=anchor)
+                   exact_only=kw.get("exact_token_match_only", False), reference=reference)
 
 
 @pytest.mark.parametrize("kw", PKL_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
@@ -371,8 +372,8 @@ def test_L8_pkl_loss_and_metrics_end_to_end(dense):
 GOLD_CASES = [dict(), dict(reverse_kl=True), dict(chunk_target="geometric"), dict(temperature=2.0),
               dict(common_renormalize=True), dict(common_renormalize=True, reverse_kl=True), dict(chunk_reduce="first"),
               dict(chunk_reduce="first", uncommon_weight=0.0, common_renormalize=True), dict(uncommon_topk=2),
-              dict(uncommon_weight=0.25), dict(exact_token_match_only=True), dict(anchor_compat=True),
-              dict(anchor_compat=True, reverse_kl=True)]
+              dict(uncommon_weight=0.25), dict(exact_token_match_only=True), dict(reference_formulas=True),
+              dict(reference_formulas=True, reverse_kl=True)]
 
 
 @pytest.mark.parametrize("mode", ["gold", "hkl"])
@@ -389,7 +390,7 @@ def test_L9_gold_and_hkl_recomputed_from_the_map(dense, mode, kw):
         z, y, batch, token_map, kappa=kw.get("temperature", 1.0), reverse=kw.get("reverse_kl", False),
         target=kw.get("chunk_target", "arithmetic"), reduce=kw.get("chunk_reduce", "mean"),
         renormalize=kw.get("common_renormalize", False), uncommon_topk=kw.get("uncommon_topk", 8192),
-        uncommon_weight=kw.get("uncommon_weight", 1.0), anchor=kw.get("anchor_compat", False),
+        uncommon_weight=kw.get("uncommon_weight", 1.0), reference=kw.get("reference_formulas", False),
         exact_only=kw.get("exact_token_match_only", False))
     config = config_for(mode, dense, **kw)
     close(kd_total(student, batch, teachers, config), total, 1e-10)
@@ -420,7 +421,7 @@ def test_L10_default_per_chunk_terms_are_never_negative(projections):
         assert L.per_chunk_losses(student, batch, same, config=config_for("topk_kl")).per_unit.min().item() >= -1e-6
 
 
-def test_L10_anchor_compat_is_negative_on_two_disagreeing_teacher_tokens(tmp_path):
+def test_L10_reference_formulas_are_negative_on_two_disagreeing_teacher_tokens(tmp_path):
     path = tmp_path / "one_hot.pt"  # student token s projects one-hot onto teacher token s
     torch.save({"indices": torch.arange(V_S)[:, None] % V_T, "likelihoods": torch.ones(V_S, 1)}, path)
     alignment = AlignmentBatch.from_padded(  # chunk 1 = one student token, two teacher tokens (ids 1 and 2)
@@ -436,9 +437,9 @@ def test_L10_anchor_compat_is_negative_on_two_disagreeing_teacher_tokens(tmp_pat
     teacher = torch.full((1, 3, W_T), -20.0)
     teacher[0, 0, 1] = 20.0  # position 0 is sure of token 1 ...
     teacher[0, 1, 2] = 20.0  # ... position 1 of token 2
-    anchor = L.per_chunk_losses(student, batch, {0: teacher}, config=config_for("pkl", path, anchor_compat=True))
+    reference = L.per_chunk_losses(student, batch, {0: teacher}, config=config_for("pkl", path, reference_formulas=True))
     default = L.per_chunk_losses(student, batch, {0: teacher}, config=config_for("pkl", path))
-    assert anchor.valid[0, 1] and anchor.per_unit[0, 1].item() < 0  # documented: the anchor's "KL" goes negative
+    assert reference.valid[0, 1] and reference.per_unit[0, 1].item() < 0  # documented: that "KL" goes negative
     assert default.per_unit[0, 1].item() >= 0
 
 # ------------------------------------------------------------------------------------------------ L11 topk_kl
@@ -569,9 +570,9 @@ def test_L14_lm_head_padding_columns_change_no_kd_term(dense):
     noisy_same[..., V_S:] = 50.0
     assert kd_total(same_s, batch, same_t, config_for("topk_kl")) == kd_total(same_s, batch, {0: noisy_same}, config_for("topk_kl"))
     for mode in ("pkl", "gold", "uld"):
-        with pytest.raises(ValueError, match="W_s=10"):
+        with pytest.raises(ValueError, match=r"student_logits: .*expected a logit width W_s >= 11.*, got 10"):
             L.per_chunk_losses(student[..., :10], batch, teachers, config=config_for(mode, dense))
-        with pytest.raises(ValueError, match="W_t=6"):
+        with pytest.raises(ValueError, match=r"teacher_logits\[0\]: teacher 0 .* expected a logit width W_t >= 7, got 6"):
             L.per_chunk_losses(student, batch, {0: teachers[0][..., :6]}, config=config_for(mode, dense))
 
 # ------------------------------------------------------------------------------------------------ L15 aggregation
@@ -684,9 +685,9 @@ def test_L16_dp_masked_mean_single_process():
 
 
 def test_L17_construction_errors(dense):
-    anchor = dict(student_vocab_size=V_S, projection_matrix_paths=[str(dense), str(dense)], teacher_vocab_sizes=[V_T, V_T])
+    reference = dict(student_vocab_size=V_S, projection_matrix_paths=[str(dense), str(dense)], teacher_vocab_sizes=[V_T, V_T])
     with pytest.raises(ValueError, match="teacher 0: xtoken_loss=True"):
-        L.XTokenLossConfig.from_anchor_dict({**anchor, "xtoken_loss": True})
+        L.XTokenLossConfig.from_reference_dict({**reference, "xtoken_loss": True})
     with pytest.raises(ValueError, match="sum_weights_metric='ce' needs kd_loss_mode='sum'"):
         L.XTokenLossConfig(V_S, [spec("uld")], kd_loss_mode="select_teacher", sum_weights_metric="ce")
     with pytest.raises(ValueError, match="normalize_teacher_by_vocab needs kd_loss_mode='sum'"):
@@ -697,13 +698,13 @@ def test_L17_construction_errors(dense):
     with pytest.raises(ValueError, match="teacher 1: kd_loss_mode='averaged_logits'"):
         L.XTokenLossConfig(V_S, [spec("topk_kl"), spec("pkl", dense)], kd_loss_mode="averaged_logits")
     with pytest.raises(ValueError, match="equal lengths"):
-        L.XTokenLossConfig.from_anchor_dict({**anchor, "teacher_weights": [1.0]})
+        L.XTokenLossConfig.from_reference_dict({**reference, "teacher_weights": [1.0]})
     with pytest.raises(ValueError, match="mode must be one of"): L.TeacherLossSpec("kd", None, V_T)
     with pytest.raises(ValueError, match="teacher 0: mode must be one of"): L.XTokenLossConfig(V_S, [dict(mode="x", vocab_size=3)])
     with pytest.raises(ValueError, match="kd_loss_mode must be one of"): L.XTokenLossConfig(V_S, [spec("uld")], kd_loss_mode="mean")
     with pytest.raises(ValueError, match="sum_weights_metric must be one of"):
         L.XTokenLossConfig(V_S, [spec("uld")], sum_weights_metric="kl")
-    for field, value, message in (("temperature", 0.0, "temperature must be > 0"), ("vocab_topk", 0, "vocab_topk must be >= 1"),
+    for field, value, message in (("temperature", 0.0, "temperature must be > 0"), ("vocab_topk", 0, "vocab_topk: expected an int >= 1, got 0"),
                                   ("alm_tau", -1.0, "alm_tau must be > 0")):
         with pytest.raises(ValueError, match=message): L.XTokenLossConfig(V_S, [spec("uld")], **{field: value})
     with pytest.raises(ValueError, match="needs a projection_path"): L.TeacherLossSpec("hkl", None, V_T)
@@ -717,16 +718,30 @@ def test_L17_construction_errors(dense):
                          normalizers=norms)
 
 
-def test_L17_from_anchor_dict_mode_table(dense):
+def test_L17_from_reference_dict_mode_table(dense):
     paths = [str(dense), None, str(dense), str(dense)]
     d = dict(student_vocab_size=V_S, projection_matrix_paths=paths, teacher_vocab_sizes=[V_T, V_S, V_T, V_T],
              teacher_weights=[1.0, 2.0, 3.0, 4.0], gold_loss=False, teacher_gold_loss=[None, None, True, True],
              teacher_xtoken_loss=[None, None, False, True], temperature=2.0, vocab_topk=5)
-    config = L.XTokenLossConfig.from_anchor_dict(d)
+    config = L.XTokenLossConfig.from_reference_dict(d)
     assert [t.mode for t in config.teachers] == ["pkl", "topk_kl", "gold", "hkl"]
     assert [t.weight for t in config.teachers] == [1.0, 2.0, 3.0, 4.0]
     assert (config.temperature, config.vocab_topk) == (2.0, 5)
-    with pytest.raises(ValueError, match="unknown anchor keys"): L.XTokenLossConfig.from_anchor_dict({**d, "gold": True})
+    with pytest.raises(ValueError, match=r"d: unknown keys \['gold'\]"): L.XTokenLossConfig.from_reference_dict({**d, "gold": True})
+    with pytest.warns(DeprecationWarning, match="use from_reference_dict"):
+        assert L.XTokenLossConfig.from_anchor_dict(d) == config  # the former name still works
+
+
+def test_deprecated_anchor_compat_sets_reference_formulas(dense):
+    with pytest.warns(DeprecationWarning, match="anchor_compat is deprecated; use reference_formulas"):
+        old = config_for("pkl", dense, anchor_compat=True)
+    assert old == config_for("pkl", dense, reference_formulas=True)
+    with pytest.warns(DeprecationWarning):
+        assert old.anchor_compat is True
+    with pytest.warns(DeprecationWarning):
+        assert dataclasses.replace(old, anchor_compat=False).reference_formulas is False
+    with pytest.raises(TypeError, match="reference_formulas: expected a bool"):
+        with pytest.warns(DeprecationWarning): config_for("pkl", dense, anchor_compat="yes")
 
 
 def test_L18_averaged_logits_equals_one_teacher_with_the_averaged_logits():

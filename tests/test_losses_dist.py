@@ -1,4 +1,4 @@
-"""Acceptance tests of `xtoken_dp.losses` with real `torch.distributed` gloo processes (losses.md §11): L4 and L16
+"""Acceptance tests of `xtoken_dp.losses` with real `torch.distributed` gloo processes: L4 and L16
 (reductions over the DP group), L19 (invariance of loss totals and gradients across microbatches and ranks, every
 mode and a two-teacher sum, fp64) and L20 (no deadlock with a fully masked and an empty microbatch, within 60 s).
 

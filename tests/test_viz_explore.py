@@ -1,4 +1,4 @@
-"""aligner.md §7 and §9 case 28: the ipywidgets explorers build without a network and re-render when driven."""
+"""The ipywidgets explorers build without a network and re-render when driven."""
 import re, sys
 from pathlib import Path
 
@@ -70,7 +70,7 @@ def test_padding_tax_explorer_follows_its_sliders():
 def test_padding_tax_explorer_checks_and_never_clamps():
     app = padding_tax_explorer(n=1500, s=10000, mean_fraction=0.01)  # outside the default slider ranges
     assert (app.report["rows"], app.report["width"]) == (1500, 10000) and app.mean_fraction.value == 0.01
-    with pytest.raises(ValueError, match="n must be an int >= 1, got 0"): padding_tax_explorer(n=0)
-    with pytest.raises(TypeError, match="s must be an int >= 1, got float"): padding_tax_explorer(s=64.0)
+    with pytest.raises(ValueError, match="n: expected an int >= 1, got 0"): padding_tax_explorer(n=0)
+    with pytest.raises(TypeError, match="s: expected an int >= 1, got float"): padding_tax_explorer(s=64.0)
     with pytest.raises(ValueError, match="distribution must be one of"): padding_tax_explorer(distribution="zipf")
     with pytest.raises(ValueError, match=r"mean_fraction must be a number in \(0, 1\]"): padding_tax_explorer(mean_fraction=2)

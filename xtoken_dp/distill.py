@@ -35,34 +35,26 @@ from .losses import (PROJECTION_MODES, GlobalNormalizers, TeacherLossSpec, XToke
 from .ipc import TeacherLogitsProducer, rebuild_teacher_full_logits_from_ipc
 
 # %% auto #0
-__all__ = ['BLOCK_BYTES', 'EOS_TOKEN', 'PAD_TOKEN', 'UNK_TOKEN', 'TEACHER_VOCAB_SIZE', 'STUDENT_VOCAB_SIZE',
-           'STUDENT_SAMPLE_BYTES', 'METASPACE', 'TOKENIZER_RECIPE', 'WINDOW_CHARS', 'TEACHER_CTX', 'STUDENT_CTX',
-           'EVAL_SEED', 'EVAL_WINDOWS', 'CURVE_WINDOWS', 'MAX_ROUNDTRIP_EXCLUSION', 'PROJECTION_TOP_K', 'ALM_TUNING',
-           'ARMS', 'DEFAULT_ARMS', 'IPC_KEY', 'PRESETS', 'B8_FAMILY', 'B8_GAIN', 'ALLOCATOR_ENV', 'is_heldout',
-           'utf8_blocks', 'Corpus', 'load_corpus', 'build_teacher_tokenizer', 'student_sample',
-           'build_student_tokenizer', 'wrap_tokenizer', 'tokenizer_stats', 'DemoTokenizers', 'train_tokenizers',
-           'encode_windows', 'EvalSet', 'make_eval_set', 'WindowPlan', 'plan_windows', 'pad_sequences', 'flat_batch',
-           'StepBatcher', 'alignment_checks', 'GPTConfig', 'teacher_config', 'student_config', 'Block', 'TinyGPT',
-           'ArmStack', 'TrainConfig', 'lr_factor', 'make_optimizer', 'clip_grad_norm_per_arm_', 'sequence_nll',
-           'bits_per_byte', 'arms_bits_per_byte', 'next_token_ce', 'TeacherRun', 'train_teacher', 'DemoProjection',
-           'demo_projection', 'ArmSpec', 'arm_loss_config', 'TeacherSignal', 'teacher_signal', 'kd_term', 'StudentRun',
-           'train_student', 'DemoConfig', 'b8_checks', 'render_report', 'DemoResult', 'run_demo', 'tune_alm',
-           'demo_main']
+__all__ = ['TEACHER_CTX', 'STUDENT_CTX', 'ARMS', 'DEFAULT_ARMS', 'PRESETS', 'Corpus', 'load_corpus', 'DemoTokenizers',
+           'train_tokenizers', 'EvalSet', 'make_eval_set', 'WindowPlan', 'plan_windows', 'GPTConfig', 'teacher_config',
+           'student_config', 'TinyGPT', 'TrainConfig', 'bits_per_byte', 'TeacherRun', 'train_teacher', 'DemoProjection',
+           'demo_projection', 'ArmSpec', 'StudentRun', 'train_student', 'DemoConfig', 'render_report', 'DemoResult',
+           'run_demo', 'tune_alm', 'demo_main']
 
 # %% ../nbs/10_distill.ipynb #54be6703
-BLOCK_BYTES = 64 * 1024  # block size of a user corpus (`--corpus FILE`)
+_BLOCK_BYTES = 64 * 1024  # block size of a user corpus (`--corpus FILE`)
 
 # %% ../nbs/10_distill.ipynb #e2015366
-def is_heldout(
+def _is_heldout(
     key: str, # a stdlib file's relative path, or a block index written in decimal
 ) -> bool:
     "The demo's held-out rule: `int(sha1(key), 16) % 10 == 0`."
     return int(hashlib.sha1(key.encode("utf-8")).hexdigest(), 16) % 10 == 0
 
 # %% ../nbs/10_distill.ipynb #659c536f
-def utf8_blocks(
+def _utf8_blocks(
     raw: bytes, # UTF-8 encoded text
-    block_bytes: int = BLOCK_BYTES, # the largest block
+    block_bytes: int = _BLOCK_BYTES, # the largest block
 ) -> list[bytes]:
     "`raw` cut into consecutive blocks of at most `block_bytes`, each cut moved back to a character start."
     if block_bytes < 4: raise ValueError(f"block_bytes: expected at least 4 (one UTF-8 character), got {block_bytes}")
@@ -113,7 +105,7 @@ def _load_stdlib_corpus(files=None) -> Corpus:
         try: text = raw.decode("utf-8")
         except UnicodeDecodeError: skipped.append(rel); continue
         _update_digest(digest, rel, raw)
-        texts, names = split[is_heldout(rel)]
+        texts, names = split[_is_heldout(rel)]
         texts.append(text); names.append(rel)
     (train, train_names), (heldout, heldout_names) = split[False], split[True]
     stats = _split_stats("stdlib", "files", digest.hexdigest(), train, heldout, root=sysconfig.get_paths()["stdlib"],
@@ -122,15 +114,15 @@ def _load_stdlib_corpus(files=None) -> Corpus:
     return Corpus(train, heldout, train_names, heldout_names, stats)
 
 # %% ../nbs/10_distill.ipynb #6d4e0c6f
-def _load_file_corpus(path, block_bytes=BLOCK_BYTES) -> Corpus:
+def _load_file_corpus(path, block_bytes=_BLOCK_BYTES) -> Corpus:
     path = Path(path)
     if not path.is_file(): raise FileNotFoundError(f"corpus: no such file: {str(path)!r} (use 'stdlib' or a UTF-8 text file)")
     raw = path.read_bytes()
     try: raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"corpus: expected UTF-8 text, {str(path)!r} has an invalid byte at offset {e.start}") from None
-    blocks = utf8_blocks(raw, block_bytes)
-    held = {i for i in range(len(blocks)) if is_heldout(str(i))}
+    blocks = _utf8_blocks(raw, block_bytes)
+    held = {i for i in range(len(blocks)) if _is_heldout(str(i))}
     rule, fallback = "int(sha1(block index), 16) % 10 == 0", False
     if not held and len(blocks) >= 3: held, fallback = {len(blocks) - 2}, True
     if not held or len(blocks) - len(held) < 2:
@@ -149,7 +141,7 @@ def _load_file_corpus(path, block_bytes=BLOCK_BYTES) -> Corpus:
 def load_corpus(
     source="stdlib", # "stdlib", or the path of a UTF-8 text file
     *,
-    block_bytes: int = BLOCK_BYTES, # block size of a file corpus
+    block_bytes: int = _BLOCK_BYTES, # block size of a file corpus
 ) -> Corpus:
     "The demo corpus: the stdlib's sources split by file, or a UTF-8 file split into 64 KiB blocks."
     if not isinstance(source, (str, os.PathLike)):
@@ -158,42 +150,42 @@ def load_corpus(
     return _load_file_corpus(source, block_bytes)
 
 # %% ../nbs/10_distill.ipynb #a4d8923b
-EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<|endoftext|>", "<pad>", "<unk>"
-TEACHER_VOCAB_SIZE, STUDENT_VOCAB_SIZE = 1024, 2048
-STUDENT_SAMPLE_BYTES = 1_500_000  # the student tokenizer's training sample
-METASPACE = "\u2581"
-TOKENIZER_RECIPE = dict(  # every setting of the two tokenizers; part of their cache key
-    version=1, specials=[EOS_TOKEN, PAD_TOKEN], start_marker=f"{EOS_TOKEN} $A",
-    teacher=dict(model="BPE", vocab_size=TEACHER_VOCAB_SIZE, data="even-indexed training parts",
+_EOS_TOKEN, _PAD_TOKEN, _UNK_TOKEN = "<|endoftext|>", "<pad>", "<unk>"
+_TEACHER_VOCAB_SIZE, _STUDENT_VOCAB_SIZE = 1024, 2048
+_STUDENT_SAMPLE_BYTES = 1_500_000  # the student tokenizer's training sample
+_METASPACE = "\u2581"
+_TOKENIZER_RECIPE = dict(  # every setting of the two tokenizers; part of their cache key
+    version=1, specials=[_EOS_TOKEN, _PAD_TOKEN], start_marker=f"{_EOS_TOKEN} $A",
+    teacher=dict(model="BPE", vocab_size=_TEACHER_VOCAB_SIZE, data="even-indexed training parts",
                  pre_tokenizer="Digits(individual_digits=True), ByteLevel(add_prefix_space=False)", decoder="ByteLevel"),
-    student=dict(model="Unigram", vocab_size=STUDENT_VOCAB_SIZE, unk_token=UNK_TOKEN,
-                 data=f"first {STUDENT_SAMPLE_BYTES} bytes of the odd-indexed training parts",
-                 pre_tokenizer=f"Metaspace({METASPACE!r}, prepend_scheme='never')", decoder="Metaspace",
+    student=dict(model="Unigram", vocab_size=_STUDENT_VOCAB_SIZE, unk_token=_UNK_TOKEN,
+                 data=f"first {_STUDENT_SAMPLE_BYTES} bytes of the odd-indexed training parts",
+                 pre_tokenizer=f"Metaspace({_METASPACE!r}, prepend_scheme='never')", decoder="Metaspace",
                  initial_alphabet="every character of the training text"))
 
 def _add_start_marker(backend: Tokenizer) -> Tokenizer:
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{EOS_TOKEN} $A", special_tokens=[(EOS_TOKEN, backend.token_to_id(EOS_TOKEN))])
+        single=f"{_EOS_TOKEN} $A", special_tokens=[(_EOS_TOKEN, backend.token_to_id(_EOS_TOKEN))])
     return backend
 
-def build_teacher_tokenizer(
+def _build_teacher_tokenizer(
     texts: Sequence[str], # training texts
-    vocab_size: int = TEACHER_VOCAB_SIZE, # the vocabulary size, specials included
+    vocab_size: int = _TEACHER_VOCAB_SIZE, # the vocabulary size, specials included
 ) -> Tokenizer:
     "The teacher's byte-level BPE with one token per digit and the `<|endoftext|>` start marker."
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(list(texts), trainer=trainer)
     return _add_start_marker(backend)
 
 # %% ../nbs/10_distill.ipynb #c9d0705c
-def student_sample(
+def _student_sample(
     parts: Sequence[str], # texts in order
-    limit: int = STUDENT_SAMPLE_BYTES, # UTF-8 bytes to keep
+    limit: int = _STUDENT_SAMPLE_BYTES, # UTF-8 bytes to keep
 ) -> list[str]:
     "The first `limit` UTF-8 bytes of `parts`, whole parts first; a character cut by the limit is dropped."
     out, used = [], 0
@@ -204,29 +196,29 @@ def student_sample(
         out.append(part); used += len(raw)
     return out
 
-def build_student_tokenizer(
+def _build_student_tokenizer(
     texts: Sequence[str], # training texts
     alphabet, # characters that must be tokens (the whole training text's)
-    vocab_size: int = STUDENT_VOCAB_SIZE, # the vocabulary size, specials included
+    vocab_size: int = _STUDENT_VOCAB_SIZE, # the vocabulary size, specials included
 ) -> Tokenizer:
     "The student's lossless Unigram (Metaspace without a dummy prefix) with `<unk>` and the start marker."
     backend = Tokenizer(models.Unigram())
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=METASPACE, prepend_scheme="never")
-    backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme="never")
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN, UNK_TOKEN],
-                                      unk_token=UNK_TOKEN, initial_alphabet=sorted(set(alphabet)), show_progress=False)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_METASPACE, prepend_scheme="never")
+    backend.decoder = decoders.Metaspace(replacement=_METASPACE, prepend_scheme="never")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN, _UNK_TOKEN],
+                                      unk_token=_UNK_TOKEN, initial_alphabet=sorted(set(alphabet)), show_progress=False)
     backend.train_from_iterator(list(texts), trainer=trainer)
     return _add_start_marker(backend)
 
 # %% ../nbs/10_distill.ipynb #72c1a9b9
-def wrap_tokenizer(
+def _wrap_tokenizer(
     backend: Tokenizer, # a trained `tokenizers.Tokenizer` with the demo's specials
 ) -> PreTrainedTokenizerFast:
     "A transformers fast tokenizer around `backend`: eos `<|endoftext|>`, pad `<pad>`, unk `<unk>` when present."
-    for name in (EOS_TOKEN, PAD_TOKEN):
+    for name in (_EOS_TOKEN, _PAD_TOKEN):
         if backend.token_to_id(name) is None: raise ValueError(f"backend: expected the special {name!r}, it is missing")
-    extra = {"unk_token": UNK_TOKEN} if backend.token_to_id(UNK_TOKEN) is not None else {}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, **extra)
+    extra = {"unk_token": _UNK_TOKEN} if backend.token_to_id(_UNK_TOKEN) is not None else {}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=_EOS_TOKEN, pad_token=_PAD_TOKEN, **extra)
 
 def _json_fingerprint(text: str) -> str: return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -236,7 +228,7 @@ def _content_bytes(tok) -> set[bytes]:
     return {b for b in piece_bytes_table(tok) if b is not None}
 
 # %% ../nbs/10_distill.ipynb #6db5d211
-def tokenizer_stats(
+def _tokenizer_stats(
     teacher: PreTrainedTokenizerFast, # the teacher tokenizer
     student: PreTrainedTokenizerFast, # the student tokenizer
     heldout_parts: Sequence[str], # held-out texts, for bytes per token
@@ -262,7 +254,7 @@ class DemoTokenizers:
     teacher: PreTrainedTokenizerFast # byte-level BPE-1024 with digit splitting
     student: PreTrainedTokenizerFast # Unigram-2048, Metaspace without dummy prefix
     fingerprints: dict # {"teacher": sha256, "student": sha256} of the tokenizer JSON files
-    stats: dict # `tokenizer_stats` plus training times
+    stats: dict # `_tokenizer_stats` plus training times
     folder: Path # the cache entry
     cached: bool # loaded from the cache rather than trained in this call
 
@@ -272,7 +264,7 @@ class DemoTokenizers:
 
 def _tokenizers_key(corpus: Corpus) -> str:
     minor = ".".join(tokenizers.__version__.split(".")[:2])
-    blob = json.dumps(dict(corpus=corpus.stats["sha256"], recipe=TOKENIZER_RECIPE, tokenizers=minor), sort_keys=True)
+    blob = json.dumps(dict(corpus=corpus.stats["sha256"], recipe=_TOKENIZER_RECIPE, tokenizers=minor), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 def _replace_dir(tmp: Path, folder: Path) -> None:
@@ -294,7 +286,7 @@ def _load_tokenizers_entry(folder: Path, warn) -> DemoTokenizers | None:
         if _json_fingerprint(text) != meta["fingerprints"][side]:
             warn(f"tokenizer cache entry {str(folder)!r}: {side}.json does not match its fingerprint; retraining")
             return None
-    teacher, student = (wrap_tokenizer(Tokenizer.from_str(texts[side])) for side in ("teacher", "student"))
+    teacher, student = (_wrap_tokenizer(Tokenizer.from_str(texts[side])) for side in ("teacher", "student"))
     return DemoTokenizers(teacher, student, meta["fingerprints"], meta["stats"], folder, cached=True)
 
 def _warn(message: str) -> None: print(f"warning: {message}", file=sys.stderr)
@@ -313,34 +305,34 @@ def train_tokenizers(
         if loaded is not None: return loaded
     if len(corpus.train_parts) < 2: raise ValueError(f"corpus: expected at least 2 training parts, got {len(corpus.train_parts)}")
     start = time.perf_counter()
-    teacher = build_teacher_tokenizer(corpus.train_parts[0::2])
+    teacher = _build_teacher_tokenizer(corpus.train_parts[0::2])
     teacher_s = time.perf_counter() - start
     start = time.perf_counter()
-    student = build_student_tokenizer(student_sample(corpus.train_parts[1::2]), corpus.train_text)
+    student = _build_student_tokenizer(_student_sample(corpus.train_parts[1::2]), corpus.train_text)
     student_s = time.perf_counter() - start
     texts = {"teacher": teacher.to_str(), "student": student.to_str()}
     fingerprints = {side: _json_fingerprint(text) for side, text in texts.items()}
-    wrapped = {side: wrap_tokenizer(Tokenizer.from_str(text)) for side, text in texts.items()}
+    wrapped = {side: _wrap_tokenizer(Tokenizer.from_str(text)) for side, text in texts.items()}
     start = time.perf_counter()
-    stats = tokenizer_stats(wrapped["teacher"], wrapped["student"], corpus.heldout_parts)
+    stats = _tokenizer_stats(wrapped["teacher"], wrapped["student"], corpus.heldout_parts)
     stats.update(teacher_train_s=teacher_s, student_train_s=student_s, stats_s=time.perf_counter() - start)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{time.time_ns()}")
     tmp.mkdir()
     for side, text in texts.items(): (tmp / f"{side}.json").write_text(text)
-    meta = dict(fingerprints=fingerprints, stats=stats, recipe=TOKENIZER_RECIPE, corpus_sha256=corpus.stats["sha256"],
+    meta = dict(fingerprints=fingerprints, stats=stats, recipe=_TOKENIZER_RECIPE, corpus_sha256=corpus.stats["sha256"],
                 tokenizers_version=tokenizers.__version__)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _replace_dir(tmp, folder)
     return DemoTokenizers(wrapped["teacher"], wrapped["student"], fingerprints, stats, folder, cached=False)
 
 # %% ../nbs/10_distill.ipynb #2f8ea0f9
-WINDOW_CHARS = 160  # characters per window
+_WINDOW_CHARS = 160  # characters per window
 TEACHER_CTX, STUDENT_CTX = 128, 192  # context lengths in tokens, start marker included
-EVAL_SEED, EVAL_WINDOWS, CURVE_WINDOWS = 12345, 256, 64
-MAX_ROUNDTRIP_EXCLUSION = 0.01  # the largest share of evaluation windows that may fail the round trip
+_EVAL_SEED, _EVAL_WINDOWS, _CURVE_WINDOWS = 12345, 256, 64
+_MAX_ROUNDTRIP_EXCLUSION = 0.01  # the largest share of evaluation windows that may fail the round trip
 
-def encode_windows(
+def _encode_windows(
     tok: PreTrainedTokenizerFast, # a demo tokenizer
     windows: Sequence[str], # texts
 ) -> list[list[int]]:
@@ -373,10 +365,10 @@ def _round_trips(tok, ids, text) -> bool:
 def make_eval_set(
     heldout_text: str, # the held-out text
     toks: DemoTokenizers, # the demo's tokenizers
-    n_windows: int = EVAL_WINDOWS, # windows to draw
+    n_windows: int = _EVAL_WINDOWS, # windows to draw
     *,
-    seed: int = EVAL_SEED, # seed of the window starts
-    chars: int = WINDOW_CHARS, # characters per window
+    seed: int = _EVAL_SEED, # seed of the window starts
+    chars: int = _WINDOW_CHARS, # characters per window
     teacher_ctx: int = TEACHER_CTX, # teacher context, start marker included
     student_ctx: int = STUDENT_CTX, # student context, start marker included
 ) -> EvalSet:
@@ -385,7 +377,7 @@ def make_eval_set(
         raise ValueError(f"heldout_text: expected at least {chars} characters for one window, got {len(heldout_text)}")
     starts = np.random.default_rng(seed).integers(0, len(heldout_text) - chars + 1, size=n_windows)
     drawn = [heldout_text[s : s + chars] for s in starts]
-    s_ids, t_ids = encode_windows(toks.student, drawn), encode_windows(toks.teacher, drawn)
+    s_ids, t_ids = _encode_windows(toks.student, drawn), _encode_windows(toks.teacher, drawn)
     keep, overflow, roundtrip = [], 0, 0
     for i, w in enumerate(drawn):
         if len(s_ids[i]) > student_ctx or len(t_ids[i]) > teacher_ctx: overflow += 1
@@ -396,9 +388,9 @@ def make_eval_set(
     if not keep:
         raise ValueError(f"evaluation windows: none of the {n_windows} drawn windows fits the contexts "
                          f"({teacher_ctx} teacher / {student_ctx} student tokens) and round-trips")
-    if roundtrip > MAX_ROUNDTRIP_EXCLUSION * n_windows:
+    if roundtrip > _MAX_ROUNDTRIP_EXCLUSION * n_windows:
         raise ValueError(f"evaluation windows: {roundtrip} of {n_windows} fail the round trip through the tokenizers "
-                         f"(at most {MAX_ROUNDTRIP_EXCLUSION:.0%} may be excluded)")
+                         f"(at most {_MAX_ROUNDTRIP_EXCLUSION:.0%} may be excluded)")
     return EvalSet([drawn[i] for i in keep], [s_ids[i] for i in keep], [t_ids[i] for i in keep], stats)
 
 # %% ../nbs/10_distill.ipynb #b4ed0df3
@@ -420,7 +412,7 @@ def plan_windows(
     steps: int, # optimizer steps
     batch_size: int, # windows per step
     seed: int, # the generator seed
-    chars: int = WINDOW_CHARS, # characters per window
+    chars: int = _WINDOW_CHARS, # characters per window
     max_rounds: int = 100, # redraw rounds before giving up on overflowing windows
 ) -> WindowPlan:
     "Training windows for `steps` steps from `Generator(seed)`; windows overflowing a context are redrawn."
@@ -429,14 +421,14 @@ def plan_windows(
     rng, n = np.random.default_rng(seed), steps * batch_size
     draw = lambda k: [text[s : s + chars] for s in rng.integers(0, len(text) - chars + 1, size=k)]
     windows = draw(n)
-    ids = {name: encode_windows(tok, windows) for name, (tok, _) in sides.items()}
+    ids = {name: _encode_windows(tok, windows) for name, (tok, _) in sides.items()}
     overflowing = lambda idx: [i for i in idx if any(len(ids[name][i]) > ctx for name, (_, ctx) in sides.items())]
     bad, resampled = overflowing(range(n)), 0
     for _ in range(max_rounds):
         if not bad: break
         fresh = draw(len(bad)); resampled += len(bad)
         for name, (tok, _) in sides.items():
-            for i, new_ids in zip(bad, encode_windows(tok, fresh)): ids[name][i] = new_ids
+            for i, new_ids in zip(bad, _encode_windows(tok, fresh)): ids[name][i] = new_ids
         for i, w in zip(bad, fresh): windows[i] = w
         bad = overflowing(bad)
     if bad: raise ValueError(f"text: {len(bad)} windows still overflow a context after {max_rounds} redraws")
@@ -445,7 +437,7 @@ def plan_windows(
                       dict(drawn=n, resampled=resampled))
 
 # %% ../nbs/10_distill.ipynb #a7e5e9e0
-def pad_sequences(
+def _pad_sequences(
     seqs: Sequence[Sequence[int]], # token ids per row
     pad_id: int, # the side's pad id
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -455,7 +447,7 @@ def pad_sequences(
     for row, s in enumerate(seqs): ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.int64)
     return ids, lengths, torch.arange(ids.shape[1]) < lengths[:, None]
 
-def flat_batch(
+def _flat_batch(
     student_ids: Sequence[Sequence[int]], # student token ids per row
     teacher_ids: Sequence[Sequence[int]] | None = None, # teacher token ids per row, or None
     *,
@@ -463,19 +455,19 @@ def flat_batch(
     teacher_pad_id: int | None = None, # the teacher's pad id (required with `teacher_ids`)
 ) -> dict[str, Tensor]:
     "The collator's padded flat batch without alignment keys: student keys, and `teacher_0_*` keys when given."
-    ids, lengths, mask = pad_sequences(student_ids, student_pad_id)
+    ids, lengths, mask = _pad_sequences(student_ids, student_pad_id)
     batch = dict(input_ids=ids, input_lengths=lengths, token_mask=mask, sample_mask=torch.ones(len(ids)),
                  idx=torch.arange(len(ids)))
     if teacher_ids is not None:
         if teacher_pad_id is None: raise ValueError("teacher_pad_id: required with teacher_ids, got None")
         if len(teacher_ids) != len(student_ids):
             raise ValueError(f"teacher_ids: expected {len(student_ids)} rows like student_ids, got {len(teacher_ids)}")
-        t_ids, t_lengths, t_mask = pad_sequences(teacher_ids, teacher_pad_id)
+        t_ids, t_lengths, t_mask = _pad_sequences(teacher_ids, teacher_pad_id)
         batch.update(teacher_0_input_ids=t_ids, teacher_0_input_lengths=t_lengths, teacher_0_token_mask=t_mask)
     return batch
 
 # %% ../nbs/10_distill.ipynb #309ff31f
-class StepBatcher:
+class _StepBatcher:
     "A step's windows -> the collator's padded flat batch: both tokenizations and the `alignment_0_*` keys."
     def __init__(self,
                  student: PreTrainedTokenizerFast, # the student tokenizer
@@ -491,7 +483,7 @@ class StepBatcher:
                                                ctx_length_student=student_ctx, ctx_length_teacher=teacher_ctx,
                                                pad_to="longest")
 
-    def __repr__(self): return f"StepBatcher({self.collator!r})"
+    def __repr__(self): return f"_StepBatcher({self.collator!r})"
 
     def _refuse_truncation(self, dropped, what: str):
         rows = np.flatnonzero(np.asarray(dropped) > 0).tolist()
@@ -509,7 +501,7 @@ class StepBatcher:
                  windows: Sequence[str], # the step's texts
                  idx: Sequence[int] | None = None, # an index per window (the collator's `idx` key); None: 0..n-1
                 ) -> dict[str, Tensor]:
-        "The collator's flat batch of `windows` (aligner.md §8.3 keys, `pad_to='longest'`)."
+        "The collator's flat batch of `windows` (the collator's keys, `pad_to='longest'`)."
         idx = range(len(windows)) if idx is None else idx
         batch = self.collator([{"text": w, "idx": int(i)} for w, i in zip(windows, idx, strict=True)])
         self._refuse_truncation(self.collator.last_stats.dropped_bytes, "were cut")
@@ -522,13 +514,13 @@ def _token_byte_ends(tok, text: str) -> set[int]:
     char_to_byte = np.concatenate([[0], np.cumsum([len(c.encode("utf-8")) for c in text])])
     return {int(char_to_byte[end]) for _, end in enc["offset_mapping"]}
 
-def alignment_checks(
-    result, # the `AlignmentResult` of `windows` (e.g. `StepBatcher.align(windows)`)
+def _alignment_checks(
+    result, # the `AlignmentResult` of `windows` (e.g. `_StepBatcher.align(windows)`)
     windows: Sequence[str], # the aligned texts
     student: PreTrainedTokenizerFast, # the student tokenizer
     teacher: PreTrainedTokenizerFast, # the teacher tokenizer
 ) -> dict:
-    "DM6: chunk boundaries at common token boundaries, byte coverage of loss-valid chunks, chunk statistics."
+    "Alignment sanity: chunk boundaries at common token boundaries, byte coverage of loss-valid chunks, chunk statistics."
     bad_boundaries, covered, total_bytes, sizes = 0, 0, 0, []
     for sample, text in zip(result.samples, windows):
         common = _token_byte_ends(student, text) & _token_byte_ends(teacher, text)
@@ -564,7 +556,7 @@ def student_config(vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size, STUDENT_CTX, n_layer=2, d_model=64, n_head=4)
 
 # %% ../nbs/10_distill.ipynb #40ce1268
-class Block(nn.Module):
+class _Block(nn.Module):
     "One pre-LN transformer block: causal self-attention and a GELU MLP, each behind a LayerNorm and a residual."
     def __init__(self, d_model: int, n_head: int):
         super().__init__()
@@ -588,7 +580,7 @@ class TinyGPT(nn.Module):
             raise ValueError(f"config: d_model ({config.d_model}) must be a multiple of n_head ({config.n_head})")
         self.config = config
         self.tok_emb, self.pos_emb = nn.Embedding(config.vocab_size, config.d_model), nn.Embedding(config.ctx_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config.d_model, config.n_head) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(_Block(config.d_model, config.n_head) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)): nn.init.normal_(m.weight, std=0.02)
@@ -602,7 +594,7 @@ class TinyGPT(nn.Module):
         return F.linear(self.ln_f(x), self.tok_emb.weight)
 
 # %% ../nbs/10_distill.ipynb #61011629
-class ArmStack(nn.Module):
+class _ArmStack(nn.Module):
     "The students of several arms as one module: each `TinyGPT` parameter stacked along a leading arm dimension."
     def __init__(self, models: Sequence[TinyGPT]): # the arms' students, one shape
         super().__init__()
@@ -615,7 +607,7 @@ class ArmStack(nn.Module):
         self.names = tuple(states[0])
         self.stacked = nn.ParameterList(nn.Parameter(torch.stack([s[n].detach() for s in states])) for n in self.names)
 
-    def __repr__(self): return f"ArmStack({self.n_arms} arms × {self.config})"
+    def __repr__(self): return f"_ArmStack({self.n_arms} arms × {self.config})"
 
     @property
     def params(self) -> dict[str, nn.Parameter]:
@@ -635,7 +627,7 @@ class ArmStack(nn.Module):
 
 # %% ../nbs/10_distill.ipynb #3fd54e57
 @patch
-def forward(self: ArmStack, input_ids: Tensor) -> list[Tensor]:
+def forward(self: _ArmStack, input_ids: Tensor) -> list[Tensor]:
     "Every arm's logits on the same `input_ids [B, T]`: a list of `A` contiguous `[B, T, V]` tensors."
     cfg, p = self.config, self.params
     A, (B, T), D, H, V = self.n_arms, input_ids.shape, cfg.d_model, cfg.n_head, cfg.vocab_size
@@ -667,7 +659,7 @@ class TrainConfig:
     clip_norm: float = 1.0 # gradient clipping norm
     batch_size: int = 16 # windows per step
 
-def lr_factor(
+def _lr_factor(
     step: int, # the update index, from 0
     total_steps: int, # updates in the run
     warmup_steps: int = 50, # linear warm-up updates
@@ -679,21 +671,21 @@ def lr_factor(
     progress = 1.0 if span <= 0 else min(1.0, (step - warmup_steps) / span)
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
-def make_optimizer(
-    model: nn.Module, # the model to train (a `TinyGPT` or an `ArmStack`)
+def _make_optimizer(
+    model: nn.Module, # the model to train (a `TinyGPT` or an `_ArmStack`)
     train: TrainConfig, # settings
     total_steps: int, # updates in the run
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     "AdamW with decay on matrices only, and the warm-up + cosine schedule (call `scheduler.step()` after each update)."
-    matrix_dim = 3 if isinstance(model, ArmStack) else 2
+    matrix_dim = 3 if isinstance(model, _ArmStack) else 2
     decay = [p for p in model.parameters() if p.dim() >= matrix_dim]
     rest = [p for p in model.parameters() if p.dim() < matrix_dim]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=train.weight_decay), dict(params=rest, weight_decay=0.0)],
                             lr=train.lr, betas=tuple(train.betas))
-    schedule = lambda step: lr_factor(step, total_steps, train.warmup_steps, train.final_lr_fraction)
+    schedule = lambda step: _lr_factor(step, total_steps, train.warmup_steps, train.final_lr_fraction)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
-def clip_grad_norm_per_arm_(
+def _clip_grad_norm_per_arm_(
     params, # stacked parameters `[A, ...]` with gradients
     max_norm: float, # the largest gradient norm of one arm
 ) -> Tensor:
@@ -720,7 +712,7 @@ def _window_nll(logits: Tensor, ids: Tensor, mask: Tensor, rows_per_pass: int = 
     return float(total), int(mask[:, 1:].sum())
 
 @torch.no_grad()
-def sequence_nll(
+def _sequence_nll(
     model: nn.Module, # maps `[B, T]` ids to `[B, T, V]` logits
     token_ids: Sequence[Sequence[int]], # ids per window, start marker first
     *,
@@ -732,7 +724,7 @@ def sequence_nll(
     total, count = 0.0, 0
     try:
         for start in range(0, len(token_ids), batch_size):
-            ids, lengths, mask = pad_sequences(token_ids[start : start + batch_size], 0)
+            ids, lengths, mask = _pad_sequences(token_ids[start : start + batch_size], 0)
             nll, n = _window_nll(model(ids), ids, mask)
             total += nll; count += n
     finally:
@@ -753,7 +745,7 @@ def bits_per_byte(
 ) -> float:
     "Held-out bits per byte: the summed NLL after the start marker over `ln 2` times the windows' UTF-8 bytes."
     _check_windows(token_ids, texts)
-    nll, _ = sequence_nll(model, token_ids, batch_size=batch_size)
+    nll, _ = _sequence_nll(model, token_ids, batch_size=batch_size)
     return nll / (math.log(2) * sum(len(t.encode("utf-8")) for t in texts))
 
 # %% ../nbs/10_distill.ipynb #699a1638
@@ -768,8 +760,8 @@ def _shard(n: int, rank: int, world: int) -> slice:
     return slice(n * rank // world, n * (rank + 1) // world)
 
 @torch.no_grad()
-def arms_bits_per_byte(
-    students, # an `ArmStack`, or a sequence of models
+def _arms_bits_per_byte(
+    students, # an `_ArmStack`, or a sequence of models
     token_ids: Sequence[Sequence[int]], # ids per window, start marker first
     texts: Sequence[str], # the windows, for their UTF-8 byte counts
     *,
@@ -780,7 +772,7 @@ def arms_bits_per_byte(
     _check_windows(token_ids, texts)
     rank, world = _dp_rank_world(group)
     mine = list(token_ids[_shard(len(token_ids), rank, world)])
-    stacked = isinstance(students, ArmStack)
+    stacked = isinstance(students, _ArmStack)
     models = [students] if stacked else list(students)
     n_arms = students.n_arms if stacked else len(models)
     modes = [m.training for m in models]
@@ -788,7 +780,7 @@ def arms_bits_per_byte(
     sums = torch.zeros(n_arms, dtype=torch.float64)
     try:
         for start in range(0, len(mine), batch_size):
-            ids, _, mask = pad_sequences(mine[start : start + batch_size], 0)
+            ids, _, mask = _pad_sequences(mine[start : start + batch_size], 0)
             logits = students(ids) if stacked else [m(ids) for m in models]
             sums += torch.tensor([_window_nll(l, ids, mask)[0] for l in logits], dtype=torch.float64)
     finally:
@@ -798,7 +790,7 @@ def arms_bits_per_byte(
     return (total / (math.log(2) * n_bytes)).tolist()
 
 # %% ../nbs/10_distill.ipynb #7b4c1ccc
-def next_token_ce(
+def _next_token_ce(
     logits: Tensor, # [B, T, V]
     input_ids: Tensor, # [B, T]
     token_mask: Tensor, # [B, T] bool, real tokens
@@ -830,7 +822,7 @@ class TeacherRun:
 
 def _teacher_key(corpus, toks, steps, seed, train) -> str:
     blob = dict(version=2, corpus=corpus.stats["sha256"], tokenizer=toks.fingerprints["teacher"], steps=steps, seed=seed,
-                shape=asdict(teacher_config(len(toks.teacher))), train=asdict(train), window_chars=WINDOW_CHARS)
+                shape=asdict(teacher_config(len(toks.teacher))), train=asdict(train), window_chars=_WINDOW_CHARS)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/10_distill.ipynb #0b5ebbdc
@@ -841,6 +833,32 @@ def _load_teacher(path: Path, config: GPTConfig, warn) -> TeacherRun | None:
         warn(f"teacher cache file {str(path)!r} holds another shape; retraining"); return None
     model = TinyGPT(config); model.load_state_dict(record["state_dict"]); model.eval()
     return TeacherRun(model, True, path, record["losses"], record["train_s"], record["step_s"])
+
+def _fit_teacher(
+    model: TinyGPT, # the freshly initialised teacher
+    plan: WindowPlan, # its windows, one step of the plan per update
+    pad_id: int, # the teacher tokenizer's pad id
+    train: TrainConfig, # optimiser settings
+    progress: bool, # show a progress bar
+) -> list[float]:
+    "Train `model` one update per step of `plan`; returns the training CE of every update."
+    opt, sched = _make_optimizer(model, train, len(plan))
+    losses = []
+    for step in tqdm(range(len(plan)), desc="teacher", disable=not progress, leave=False):
+        ids, _, mask = _pad_sequences(plan.ids["teacher"][step], pad_id)
+        loss = _next_token_ce(model(ids), ids, mask)
+        opt.zero_grad(set_to_none=True); loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), train.clip_norm)
+        opt.step(); sched.step(); losses.append(loss.item())
+    return losses
+
+def _save_teacher(path: Path, run: TeacherRun, steps: int, seed: int) -> None:
+    "Write the teacher's cache file (weights, shape, training record) through a temporary sibling."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    torch.save(dict(state_dict=run.model.state_dict(), config=asdict(run.model.config), losses=run.losses,
+                    train_s=run.train_s, step_s=run.step_s, steps=steps, seed=seed), tmp)
+    os.replace(tmp, path)
 
 def train_teacher(
     corpus: Corpus, # the demo corpus
@@ -864,27 +882,16 @@ def train_teacher(
                         batch_size=train.batch_size, seed=seed)
     torch.manual_seed(seed)
     model = TinyGPT(config)
-    opt, sched = make_optimizer(model, train, steps)
-    losses, start = [], time.perf_counter()
-    for step in tqdm(range(steps), desc="teacher", disable=not progress, leave=False):
-        ids, _, mask = pad_sequences(plan.ids["teacher"][step], toks.teacher.pad_token_id)
-        loss = next_token_ce(model(ids), ids, mask)
-        opt.zero_grad(set_to_none=True); loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), train.clip_norm)
-        opt.step(); sched.step(); losses.append(loss.item())
+    start = time.perf_counter()
+    losses = _fit_teacher(model, plan, toks.teacher.pad_token_id, train, progress)
     train_s = time.perf_counter() - start
     model.eval()
     run = TeacherRun(model, False, path or Path("teacher.pt"), losses, train_s, train_s / steps)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
-        torch.save(dict(state_dict=model.state_dict(), config=asdict(config), losses=losses, train_s=train_s,
-                        step_s=train_s / steps, steps=steps, seed=seed), tmp)
-        os.replace(tmp, path)
+    if path is not None: _save_teacher(path, run, steps, seed)
     return run
 
 # %% ../nbs/10_distill.ipynb #4e945f70
-PROJECTION_TOP_K = 4  # slots per student row of the demo's projection
+_PROJECTION_TOP_K = 4  # slots per student row of the demo's projection
 
 @dataclass(repr=False)
 class DemoProjection:
@@ -919,7 +926,7 @@ def demo_projection(
     cache_dir, # cache folder; the file is `projection-<key>.pt`
     *,
     no_cache: bool = False, # rebuild even when the cache holds this projection
-    top_k: int = PROJECTION_TOP_K, # slots per student row
+    top_k: int = _PROJECTION_TOP_K, # slots per student row
 ) -> DemoProjection:
     "The builder's projection from the student to the teacher vocabulary, built once per tokenizer pair and cached."
     path = Path(cache_dir) / f"projection-{_projection_key(toks, top_k)}.pt"
@@ -936,7 +943,7 @@ def demo_projection(
     return DemoProjection(path, meta, _exact_map_sizes(path, toks), False, build_s)
 
 # %% ../nbs/10_distill.ipynb #5fe805d3
-ALM_TUNING = dict(  # the ALM setting chosen on a seed outside the reported ones (see "Tuning ALM")
+_ALM_TUNING = dict(  # the ALM setting chosen on a seed outside the reported ones (see "Tuning ALM")
     seed=7, steps=300, eval_windows=256, chosen=dict(weight=0.1, alm_tau=100.0),
     note="tune_alm on the default preset (seed 7, 300 student steps, 256 windows); delta = BPB minus the ce arm's",
     grid=[dict(weight=1.0, alm_tau=30.0, delta=+0.0112),
@@ -963,8 +970,8 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in [
     ArmSpec("pkl", "pkl", label="P-KL (projection from the builder, top_k=4)"),
     ArmSpec("gold", "gold", label="gold (strict exact map, whole chunks, tail L1)"),
     ArmSpec("hkl", "hkl", label="H-KL (relaxed exact map)"),
-    ArmSpec("alm", "alm", dict(alm_tau=ALM_TUNING["chosen"]["alm_tau"], alm_divergence="binary_kl"),
-            weight=ALM_TUNING["chosen"]["weight"], label="ALM (binary KL; weight and τ tuned on seed 7)"),
+    ArmSpec("alm", "alm", dict(alm_tau=_ALM_TUNING["chosen"]["alm_tau"], alm_divergence="binary_kl"),
+            weight=_ALM_TUNING["chosen"]["weight"], label="ALM (binary KL; weight and τ tuned on seed 7)"),
     ArmSpec("uld", "uld", dict(uld_topk=None), label="ULD (top-k = min V, untuned weight 1)"),
     ArmSpec("overlap", "gold", dict(chunk_reduce="first", uncommon_weight=0.0, common_renormalize=True, uncommon_topk=1),
             label="exact-map KL at chunk starts, renormalised within the common tokens"),
@@ -972,7 +979,7 @@ ARMS: dict[str, ArmSpec] = {a.name: a for a in [
 DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
 
 # %% ../nbs/10_distill.ipynb #c0b6fd6f
-def arm_loss_config(
+def _arm_loss_config(
     arm: ArmSpec, # a KD arm
     *,
     projection_path, # the demo's projection file (read by pkl, gold and hkl)
@@ -990,39 +997,39 @@ def _count_key(config: XTokenLossConfig) -> tuple:
     return (config.exact_token_match_only, tuple(t.mode == "topk_kl" for t in config.teachers))
 
 # %% ../nbs/10_distill.ipynb #628129ca
-IPC_KEY = "teacher_0_full_logits_ipc"  # where the handles of the teacher's logits go in the flat batch
+_IPC_KEY = "teacher_0_full_logits_ipc"  # where the handles of the teacher's logits go in the flat batch
 
 @dataclass
-class TeacherSignal:
+class _TeacherSignal:
     "What one step computes once for every KD arm: the teacher's logits, the global normalisers, the arms' configs."
     logits: Tensor # [B, T_t, V_t] teacher logits on `batch["teacher_0_input_ids"]`, no grad (an IPC view with a producer)
     normalizers: GlobalNormalizers | None # the step's global counts (None without KD arms)
     configs: Mapping[str, XTokenLossConfig] # arm name -> its loss configuration
 
 @torch.no_grad()
-def teacher_signal(
+def _teacher_signal(
     teacher: nn.Module, # the teacher model
     batch: dict, # the step's collated flat batch (receives the IPC handles with a producer)
     configs: Mapping[str, XTokenLossConfig], # the KD arms' loss configurations
     *,
     producer: TeacherLogitsProducer | None = None, # route the logits through `xtoken_dp.ipc` when given
     group=None, # data-parallel group of the normalisers (None: the losses' DP group)
-) -> TeacherSignal:
+) -> _TeacherSignal:
     "One teacher forward on the step's teacher ids, optionally through IPC, and the step's global normalisers."
     logits = teacher(batch["teacher_0_input_ids"]).float()
     if producer is not None:
-        batch[IPC_KEY] = producer.publish(logits)
-        logits = rebuild_teacher_full_logits_from_ipc(batch, key=IPC_KEY)
+        batch[_IPC_KEY] = producer.publish(logits)
+        logits = rebuild_teacher_full_logits_from_ipc(batch, key=_IPC_KEY)
     if len({_count_key(c) for c in configs.values()}) > 1:
         raise ValueError("configs: the arms count chunks differently; one set of normalisers cannot serve them all")
     normalizers = compute_global_normalizers([batch], next(iter(configs.values())), group=group) if configs else None
-    return TeacherSignal(logits, normalizers, dict(configs))
+    return _TeacherSignal(logits, normalizers, dict(configs))
 
-def kd_term(
+def _kd_term(
     arm: ArmSpec, # a KD arm
     student_logits: Tensor, # [B, T_s, V_s] the arm's logits on `batch["input_ids"]`
     batch: Mapping, # the step's collated flat batch
-    signal: TeacherSignal, # the step's teacher logits, normalisers and configs
+    signal: _TeacherSignal, # the step's teacher logits, normalisers and configs
 ) -> Tensor:
     "The KD term of `arm` for one step (its weight not applied): a scalar connected to `student_logits`."
     if arm.name not in signal.configs: raise KeyError(f"arm {arm.name!r} has no loss configuration in the signal ({sorted(signal.configs)})")
@@ -1088,6 +1095,92 @@ class _Phases:
         self.start = now
 
 # %% ../nbs/10_distill.ipynb #d0d3eab9
+class _Lockstep:
+    "One seed's arms in lockstep: their students and optimisers, this rank's share of each step, the records."
+    def __init__(self, init_model: TinyGPT, arms: list, plan: WindowPlan, toks: DemoTokenizers, *, teacher, projection_path,
+                 train: TrainConfig, batched: bool, timings: dict | None):
+        self.arms, self.plan, self.teacher, self.train = arms, plan, teacher, train
+        self.kd_arms = [a for a in arms if a.mode != "ce"]
+        self.rank, self.world = _dp_rank_world()
+        self.rows = len(plan.windows[0])
+        if self.rows % self.world:
+            raise ValueError(f"plan: {self.rows} windows per step cannot be split evenly over {self.world} ranks")
+        self.mine = _shard(self.rows, self.rank, self.world)
+        self.configs = {a.name: _arm_loss_config(a, projection_path=projection_path, student_vocab_size=len(toks.student),
+                                                 teacher_vocab_size=len(toks.teacher)) for a in self.kd_arms}
+        self.batcher = _StepBatcher(toks.student, toks.teacher)
+        if batched:
+            self.students = _ArmStack([init_model] * len(arms)).train()
+            self.optimizers = [_make_optimizer(self.students, train, len(plan))]
+        else:
+            self.students = [copy.deepcopy(init_model).train() for _ in arms]
+            self.optimizers = [_make_optimizer(m, train, len(plan)) for m in self.students]
+        self.ce_hist, self.kd_hist, self.points = [[] for _ in arms], [[] for _ in arms], [{} for _ in arms]
+        self.clock = _Phases(timings)
+        self.step_s = self.eval_s = 0.0
+
+    def evaluate(self, step: int, curve_set: EvalSet | None) -> None:
+        "A curve point of every arm at `step` (nothing without curve windows)."
+        if curve_set is None: return
+        start = time.perf_counter()
+        for i, bpb in enumerate(_arms_bits_per_byte(self.students, curve_set.student_ids, curve_set.texts)): self.points[i][step] = bpb
+        self.eval_s += time.perf_counter() - start
+
+    def final_bpb(self, eval_set: EvalSet | None) -> list:
+        "Every arm's BPB on the evaluation windows (None without them)."
+        start = time.perf_counter()
+        finals = (_arms_bits_per_byte(self.students, eval_set.student_ids, eval_set.texts) if eval_set is not None
+                  else [None] * len(self.arms))
+        self.eval_s += time.perf_counter() - start
+        self.clock("evaluation")
+        return finals
+
+    def runs(self, finals: list) -> dict[str, StudentRun]:
+        "Each arm's `StudentRun`: its model, losses, curve, final BPB and its share of the time."
+        models = self.students.unstack() if isinstance(self.students, _ArmStack) else self.students
+        n, steps = len(self.arms), len(self.plan)
+        return {a.name: StudentRun(a.name, self.plan.seed, models[i].eval(), self.ce_hist[i], self.kd_hist[i],
+                                   _curve_rows(self.points[i], self.ce_hist[i], self.kd_hist[i]) if self.points[i] else [],
+                                   finals[i], (self.step_s + self.eval_s) / n, self.step_s / steps / n, self.eval_s / n)
+                for i, a in enumerate(self.arms)}
+
+# %% ../nbs/10_distill.ipynb #44b2f29c
+@patch
+def batch(self: _Lockstep, step: int) -> dict:
+    "This rank's share of the windows of `step` as a collated flat batch with the alignment keys."
+    mine, rows = self.mine, self.rows
+    return self.batcher(self.plan.windows[step][mine], idx=range(step * rows + mine.start, step * rows + mine.stop))
+
+@patch
+def signal(self: _Lockstep, batch: dict, producer) -> tuple:
+    "The step's teacher signal (None without KD arms) and its global count of CE targets."
+    signal = _teacher_signal(self.teacher, batch, self.configs, producer=producer) if self.kd_arms else None
+    n_tok = signal.normalizers.n_tok if signal is not None else float(
+        dp_all_reduce_sum(batch["token_mask"][:, 1:].sum().double()).clamp_min(1))
+    return signal, n_tok
+
+@patch
+def record(self: _Lockstep, step: int, batch: dict, ce: list, kd: list, on_step: Callable | None) -> None:
+    "Append the step's CE and KD of every arm (summed over the data-parallel ranks) and call `on_step`."
+    values = torch.tensor([[c.detach().item(), 0.0 if k is None else k.detach().item()] for c, k in zip(ce, kd)],
+                          dtype=torch.float64)
+    if self.world > 1: values = dp_all_reduce_stack(values).reshape(len(self.arms), 2)
+    for i, a in enumerate(self.arms):
+        self.ce_hist[i].append(float(values[i, 0])); self.kd_hist[i].append(float(values[i, 1]))
+        if on_step is not None: on_step(a.name, step, batch, ce[i].detach(), None if kd[i] is None else kd[i].detach())
+
+@patch
+def step(self: _Lockstep, step: int, producer, on_step: Callable | None) -> None:
+    "One training step of every arm."
+    start = time.perf_counter()
+    batch = self.batch(step); self.clock("batches")
+    signal, n_tok = self.signal(batch, producer); self.clock("teacher signal")
+    ce, kd = _step_arms(self.arms, self.students, self.optimizers, batch, signal, n_tok, self.train, self.world, self.clock)
+    self.record(step, batch, ce, kd, on_step)
+    self.step_s += time.perf_counter() - start
+    self.clock("backward + update")
+
+# %% ../nbs/10_distill.ipynb #3bc29fc0
 def train_student(
     init_model: TinyGPT, # the seed's initialisation; every arm starts from a copy
     arms: Sequence, # arm names or `ArmSpec`s
@@ -1100,7 +1193,7 @@ def train_student(
     curve_set: EvalSet | None = None, # curve windows
     curve_every: int = 50, # steps between curve points
     train: TrainConfig = TrainConfig(), # optimiser settings
-    batched: bool = True, # all arms as one `ArmStack` (False: one model and optimiser per arm)
+    batched: bool = True, # all arms as one stacked model (False: one model and optimiser per arm)
     via_ipc: bool = False, # route the teacher logits through `xtoken_dp.ipc` shared memory
     progress: bool = True, # show a progress bar
     on_step: Callable | None = None, # called as on_step(arm, step, batch, ce, kd) after each update
@@ -1108,81 +1201,35 @@ def train_student(
 ) -> dict[str, StudentRun]:
     "Train every arm of one seed in lockstep from one initialisation on one window plan."
     arms = _resolve_arms(arms)
-    kd_arms = [a for a in arms if a.mode != "ce"]
+    kd_arms = [a.name for a in arms if a.mode != "ce"]
     if kd_arms and (teacher is None or projection_path is None):
-        raise ValueError(f"teacher, projection_path: KD arms {[a.name for a in kd_arms]} need a teacher and a projection")
-    rank, world = _dp_rank_world()
-    rows = len(plan.windows[0])
-    if rows % world: raise ValueError(f"plan: {rows} windows per step cannot be split evenly over {world} ranks")
-    mine = _shard(rows, rank, world)
-    configs = {a.name: arm_loss_config(a, projection_path=projection_path, student_vocab_size=len(toks.student),
-                                       teacher_vocab_size=len(toks.teacher)) for a in kd_arms}
-    batcher = StepBatcher(toks.student, toks.teacher)
-    if batched:
-        students = ArmStack([init_model] * len(arms)).train()
-        optimizers = [make_optimizer(students, train, len(plan))]
-    else:
-        students = [copy.deepcopy(init_model).train() for _ in arms]
-        optimizers = [make_optimizer(m, train, len(plan)) for m in students]
-    ce_hist, kd_hist, points = [[] for _ in arms], [[] for _ in arms], [{} for _ in arms]
-    clock = _Phases(timings)
-    step_s = eval_s = 0.0
-
-    def evaluate(step):
-        nonlocal eval_s
-        if curve_set is None: return
-        start = time.perf_counter()
-        for i, bpb in enumerate(arms_bits_per_byte(students, curve_set.student_ids, curve_set.texts)): points[i][step] = bpb
-        eval_s += time.perf_counter() - start
-
-    producer = (TeacherLogitsProducer(max_batch=mine.stop - mine.start, max_seq_len=TEACHER_CTX,
+        raise ValueError(f"teacher, projection_path: KD arms {kd_arms} need a teacher and a projection")
+    run = _Lockstep(init_model, arms, plan, toks, teacher=teacher, projection_path=projection_path, train=train,
+                    batched=batched, timings=timings)
+    producer = (TeacherLogitsProducer(max_batch=run.mine.stop - run.mine.start, max_seq_len=TEACHER_CTX,
                                       vocab_width=len(toks.teacher)) if via_ipc and kd_arms else None)
     try:
-        clock("setup")
-        evaluate(0); clock("evaluation")
-        bar = tqdm(range(len(plan)), desc=f"seed {plan.seed}: {len(arms)} arms", disable=not progress or rank != 0, leave=False)
+        run.clock("setup")
+        run.evaluate(0, curve_set); run.clock("evaluation")
+        bar = tqdm(range(len(plan)), desc=f"seed {plan.seed}: {len(arms)} arms", disable=not progress or run.rank != 0, leave=False)
         for step in bar:
-            start = time.perf_counter()
-            batch = batcher(plan.windows[step][mine], idx=range(step * rows + mine.start, step * rows + mine.stop))
-            clock("batches")
-            signal = teacher_signal(teacher, batch, configs, producer=producer) if kd_arms else None
-            n_tok = signal.normalizers.n_tok if signal is not None else float(
-                dp_all_reduce_sum(batch["token_mask"][:, 1:].sum().double()).clamp_min(1))
-            clock("teacher signal")
-            ce, kd = _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, clock)
-            values = torch.tensor([[c.detach().item(), 0.0 if k is None else k.detach().item()] for c, k in zip(ce, kd)],
-                                  dtype=torch.float64)
-            if world > 1: values = dp_all_reduce_stack(values).reshape(len(arms), 2)
-            for i, a in enumerate(arms):
-                ce_hist[i].append(float(values[i, 0])); kd_hist[i].append(float(values[i, 1]))
-                if on_step is not None: on_step(a.name, step, batch, ce[i].detach(), None if kd[i] is None else kd[i].detach())
-            step_s += time.perf_counter() - start
-            clock("backward + update")
-            if (step + 1) % curve_every == 0 or step + 1 == len(plan): evaluate(step + 1); clock("evaluation")
-        start = time.perf_counter()
-        finals = (arms_bits_per_byte(students, eval_set.student_ids, eval_set.texts) if eval_set is not None
-                  else [None] * len(arms))
-        eval_s += time.perf_counter() - start
-        clock("evaluation")
+            run.step(step, producer, on_step)
+            if (step + 1) % curve_every == 0 or step + 1 == len(plan): run.evaluate(step + 1, curve_set); run.clock("evaluation")
+        finals = run.final_bpb(eval_set)
     finally:
         if producer is not None: producer.release()
-    models = students.unstack() if batched else students
-    n = len(arms)
-    return {a.name: StudentRun(a.name, plan.seed, models[i].eval(), ce_hist[i], kd_hist[i],
-                               _curve_rows(points[i], ce_hist[i], kd_hist[i]) if points[i] else [], finals[i],
-                               (step_s + eval_s) / n, step_s / len(plan) / n, eval_s / n)
-            for i, a in enumerate(arms)}
+    return run.runs(finals)
 
 # %% ../nbs/10_distill.ipynb #4b9ad64f
 def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, clock):
     "Forward, losses, backward and update of every arm for one batch; returns each arm's CE and KD (None for `ce`)."
     ids, mask, sample = batch["input_ids"], batch["token_mask"], batch["sample_mask"]
     def losses(arm, logits):
-        ce = next_token_ce(logits, ids, mask, sample, normalizer=n_tok)
-        kd = kd_term(arm, logits, batch, signal) if arm.mode != "ce" else None
+        ce = _next_token_ce(logits, ids, mask, sample, normalizer=n_tok)
+        kd = _kd_term(arm, logits, batch, signal) if arm.mode != "ce" else None
         return ce, kd, (ce if kd is None else ce + arm.weight * kd)
     group = get_dp_group()
-    if isinstance(students, ArmStack):
+    if isinstance(students, _ArmStack):
         logits = students(ids); clock("student forward")
         ce, kd, total = zip(*(losses(a, l) for a, l in zip(arms, logits))); clock("losses")
         opt, sched = optimizers[0]
@@ -1190,7 +1237,7 @@ def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, c
         sum(total).backward()
         params = list(students.parameters())
         if world > 1: _all_reduce_grads(params, group)
-        clip_grad_norm_per_arm_(params, train.clip_norm)
+        _clip_grad_norm_per_arm_(params, train.clip_norm)
         opt.step(); sched.step()
         return list(ce), list(kd)
     ces, kds = [], []
@@ -1239,12 +1286,12 @@ class DemoConfig:
     threads: int = 2 # CPU threads of the run (split over the data-parallel processes)
     dp: int = 2 # data-parallel processes per student (1 or 2)
     via_ipc: bool = False # route teacher logits through `xtoken_dp.ipc` shared memory
-    batched: bool = True # train the arms of a seed as one `ArmStack`
+    batched: bool = True # train the arms of a seed as one `_ArmStack`
     out_dir: str = "demo_out" # output folder
     cache_dir: str | None = None # tokenizer, teacher and projection cache; `out_dir/cache` by default
     no_cache: bool = False # retrain the tokenizers and the teacher, rebuild the projection
     curve_every: int = 50 # student steps between curve points
-    curve_windows: int = CURVE_WINDOWS # evaluation windows of the curves (a prefix of the evaluation windows)
+    curve_windows: int = _CURVE_WINDOWS # evaluation windows of the curves (a prefix of the evaluation windows)
     seed_offset: int = 0 # students use seeds seed_offset..seed_offset+seeds-1 (tuning runs use seeds no report uses)
     progress: bool = True # progress bars
     verbose: bool = True # print the log and the report
@@ -1283,8 +1330,8 @@ class DemoConfig:
         return [ArmSpec(a.name, a.mode, a.options, float(self.kd_weights.get(a.name, a.weight)), a.label) for a in specs]
 
 # %% ../nbs/10_distill.ipynb #7f520cf7
-B8_FAMILY = ("pkl", "gold", "hkl", "overlap")  # the arms of B8 (b)
-B8_GAIN = -0.025  # B8 (c): the best KD arm's mean Δ must be at most this
+_PROJECTION_FAMILY = ("pkl", "gold", "hkl", "overlap")  # the bar (b): one of these ahead of CE on every seed
+_GAIN_BAR = -0.025  # the bar (c): the best KD arm's mean Δ must be at most this
 
 def _mean_sd(values) -> tuple[float, float | None]:
     values = [v for v in values if v is not None]
@@ -1306,17 +1353,17 @@ def _summarise_arms(arms: dict) -> None:
             arm["delta_mean"], arm["delta_sd"] = _mean_sd(deltas)
             arm["seeds_improved"] = sum(d < 0 for d in deltas)
 
-def b8_checks(
+def _bar_checks(
     results: dict, # `results.json` content with summarised arms
 ) -> dict:
-    "The bar of ipc_distill.md B8: (a) teacher below every arm, (b) a projection-family arm ahead on every seed, (c) best mean gain."
+    "The demo's bar: (a) teacher below every arm, (b) a projection-family arm ahead on every seed, (c) best mean gain."
     arms, teacher = results["arms"], results["teacher"]["bpb"]
     a = all(teacher < s["final_bpb"] for arm in arms.values() for s in arm["seeds"].values())
     if "ce" not in arms: return dict(a=a, b=None, c=None, b_arms=[], best_arm=None, best_delta=None)
-    every_seed = [n for n in B8_FAMILY if n in arms and arms[n]["seeds_improved"] == len(arms[n]["seeds"])]
+    every_seed = [n for n in _PROJECTION_FAMILY if n in arms and arms[n]["seeds_improved"] == len(arms[n]["seeds"])]
     kd = {n: arm["delta_mean"] for n, arm in arms.items() if n != "ce"}
     best = min(kd, key=kd.get) if kd else None
-    return dict(a=a, b=bool(every_seed), c=best is not None and kd[best] <= B8_GAIN, b_arms=every_seed, best_arm=best,
+    return dict(a=a, b=bool(every_seed), c=best is not None and kd[best] <= _GAIN_BAR, b_arms=every_seed, best_arm=best,
                 best_delta=None if best is None else kd[best])
 
 # %% ../nbs/10_distill.ipynb #9891345c
@@ -1328,10 +1375,8 @@ def _mode_text(arm: dict) -> str:
     if arm["mode"] != "ce" and arm["weight"] != 1.0: parts.append(f"weight {arm['weight']:g}")
     return arm["mode"] + (f" ({', '.join(parts)})" if parts else "")
 
-def render_report(
-    results: dict, # the content of `results.json`
-) -> str:
-    "The `results.md` table (teacher row first), the B8 checks in words, and every arm that does worse than CE."
+def _report_table(results: dict) -> list[str]:
+    "The table's lines: the header, the teacher row, one row per arm."
     arms, teacher = results["arms"], results["teacher"]
     lines = ["| arm | mode | BPB mean ± sd | per seed | Δ vs CE mean ± sd | seeds with Δ<0 | s/run |",
              "|---|---|---|---|---|---|---|",
@@ -1346,19 +1391,26 @@ def render_report(
         wall = np.mean([s["wall_s"] for s in seeds.values()])
         lines.append(f"| {name} | {_mode_text(arm)} | {_pm(arm['bpb_mean'], arm['bpb_sd'])} | {per_seed} | {delta} | "
                      f"{improved} | {wall:.1f} |")
-    notes, check = [""], b8_checks(results)
-    cfg, ev = results["config"], results["eval_windows"]
-    notes.append("The teacher's BPB is below every student arm's." if check["a"] else
-                 "**The teacher's BPB is not below every student arm's.**")
+    return lines
+
+def _bar_notes(results: dict) -> list[str]:
+    "The bar's checks in words: (a) the teacher, (b) a projection-family arm on every seed, (c) the best mean gain."
+    arms, check = results["arms"], _bar_checks(results)
+    notes = ["The teacher's BPB is below every student arm's." if check["a"] else
+             "**The teacher's BPB is not below every student arm's.**"]
     if check["b"] is not None:
         notes.append(f"Ahead of CE on every seed: {', '.join(f'`{n}`' for n in check['b_arms'])}." if check["b"] else
-                     f"**No arm of {', '.join(f'`{n}`' for n in B8_FAMILY if n in arms)} is ahead of CE on every seed.**")
+                     f"**No arm of {', '.join(f'`{n}`' for n in _PROJECTION_FAMILY if n in arms)} is ahead of CE on every seed.**")
         if check["best_arm"] is not None:
             gain = f"best KD arm `{check['best_arm']}`: mean Δ = {check['best_delta']:+.3f} bits per byte"
-            notes.append(f"The {gain} (the bar is {B8_GAIN:+.3f})." if check["c"] else f"**The {gain}, short of the {B8_GAIN:+.3f} bar.**")
-    for name, arm in arms.items():
-        if name != "ce" and arm.get("delta_mean") is not None and arm["delta_mean"] > 0:
-            notes.append(f"**`{name}` does worse than CE**: mean Δ = {arm['delta_mean']:+.3f} bits per byte.")
+            notes.append(f"The {gain} (the bar is {_GAIN_BAR:+.3f})." if check["c"] else f"**The {gain}, short of the {_GAIN_BAR:+.3f} bar.**")
+    return notes
+
+def _run_notes(results: dict) -> list[str]:
+    "Every arm worse than CE, overridden weights, how ALM was tuned, the budget and the arms not run."
+    arms, cfg, ev = results["arms"], results["config"], results["eval_windows"]
+    notes = [f"**`{name}` does worse than CE**: mean Δ = {arm['delta_mean']:+.3f} bits per byte."
+             for name, arm in arms.items() if name != "ce" and arm.get("delta_mean") is not None and arm["delta_mean"] > 0]
     overridden = [f"`{n}` weight {a['weight']:g}" for n, a in arms.items() if a.get("weight_overridden")]
     if overridden: notes.append(f"KD weights overridden in this run: {', '.join(overridden)}.")
     tuning = results.get("alm_tuning")
@@ -1370,7 +1422,13 @@ def render_report(
                  f"show how the gaps develop, and gains at other budgets can differ.")
     not_run = [a for a in ARMS if a not in arms]
     if not_run: notes.append(f"Arms not in this run: {', '.join(not_run)}.")
-    return "\n".join(lines + notes) + "\n"
+    return notes
+
+def render_report(
+    results: dict, # the content of `results.json`
+) -> str:
+    "The `results.md` table (teacher row first), the bar's checks in words, and every arm that does worse than CE."
+    return "\n".join(_report_table(results) + [""] + _bar_notes(results) + _run_notes(results)) + "\n"
 
 # %% ../nbs/10_distill.ipynb #bc443002
 class _RunLog:
@@ -1478,7 +1536,7 @@ def _dp_worker_main(argv: Sequence[str] | None = None) -> int:
 # so each step faults the same pages in again: a default run took 22.7 million minor page faults. Keeping freed blocks
 # in the heap made an isolated training step 15-20 % faster here (student CE step 38 -> 32 ms, the KD terms together
 # 210 -> 165 ms); whole runs on this shared 2-core machine vary by about as much, so the run-level gain is not resolved.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -1504,7 +1562,7 @@ def _run_student_job_dp(job: dict, world: int, scratch: Path) -> tuple[dict, dic
         job_path, result_path = Path(tmp) / "job.pkl", Path(tmp) / "result.pt"
         with open(job_path, "wb") as f: pickle.dump(job, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]))
-        for name, value in ALLOCATOR_ENV.items(): env.setdefault(name, value)  # a caller's own setting wins
+        for name, value in _ALLOCATOR_ENV.items(): env.setdefault(name, value)  # a caller's own setting wins
         entry = "import sys; from xtoken_dp.distill import _dp_worker_main; sys.exit(_dp_worker_main())"
         port = _free_port()
         procs = [subprocess.Popen([sys.executable, "-c", entry, str(job_path), str(rank), str(world), str(port), str(result_path)],
@@ -1529,7 +1587,7 @@ def _train_all_students(config, arms, corpus, toks, teacher, projection, eval_se
         runs, phases = _run_student_job(job)
     else:
         log(f"students: {config.dp} data-parallel gloo processes, {config.threads_per_process} thread(s) each, glibc "
-            + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in ALLOCATOR_ENV.items()))
+            + ", ".join(f"{k}={os.environ.get(k, v)}" for k, v in _ALLOCATOR_ENV.items()))
         runs, phases = _run_student_job_dp(job, config.dp, config.cache_path)
     timings["students"] = time.perf_counter() - start
     timings.update({f"  {name}": secs for name, secs in phases.items()})
@@ -1555,7 +1613,7 @@ def _results(config, arms, corpus, toks, eval_set, curve_set, alignment, project
     report = projection.report
     results = dict(
         config=asdict(config), environment=_environment(config.threads), corpus=corpus.stats,
-        tokenizers=dict(fingerprints=toks.fingerprints, stats=toks.stats, cached=toks.cached, recipe=TOKENIZER_RECIPE),
+        tokenizers=dict(fingerprints=toks.fingerprints, stats=toks.stats, cached=toks.cached, recipe=_TOKENIZER_RECIPE),
         eval_windows=dict(eval_set.stats, curve=len(curve_set)), alignment=alignment,
         projection=dict(file=projection.path.name, cached=projection.cached, build_s=projection.build_s,
                         exact_map=projection.exact_map, top_k=report["top_k"],
@@ -1567,8 +1625,8 @@ def _results(config, arms, corpus, toks, eval_set, curve_set, alignment, project
                      train_s=teacher.train_s, step_s=teacher.step_s, train_ce_initial=teacher.losses[0],
                      train_ce_final=float(np.mean(teacher.losses[-10:])), shape=asdict(teacher.model.config)),
         student=dict(shape=asdict(student_config(len(toks.student))), train=asdict(TrainConfig())),
-        alm_tuning=ALM_TUNING, arms=arm_results)
-    results["b8"] = b8_checks(results)
+        alm_tuning=_ALM_TUNING, arms=arm_results)
+    results["b8"] = _bar_checks(results)
     return results
 
 # %% ../nbs/10_distill.ipynb #b7d41210
@@ -1589,6 +1647,63 @@ def _write_outputs(config, results, runs, toks, teacher, projection, out: Path) 
     return files
 
 # %% ../nbs/10_distill.ipynb #0aad7b16
+def _timed(timings: dict, name: str, fn: Callable):
+    "`fn()`, its seconds added to `timings[name]`."
+    start = time.perf_counter(); value = fn(); timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+    return value
+
+@dataclass(repr=False)
+class _Prepared:
+    "What a run prepares before its students."
+    corpus: Corpus # the corpus
+    toks: DemoTokenizers # the tokenizers
+    eval_set: EvalSet # the evaluation windows of the final BPB
+    curve_set: EvalSet # the evaluation windows of the curves (a prefix of `eval_set`)
+    alignment: dict # the alignment checks of the evaluation windows
+    teacher: TeacherRun # the teacher
+    teacher_bpb: float # the teacher's BPB on `eval_set`
+    projection: DemoProjection # the projection
+
+def _prepare_run(config: DemoConfig, log: _RunLog, timings: dict) -> _Prepared:
+    "Every stage before the students, each timed and logged: corpus, tokenizers, windows, alignment, teacher, projection."
+    timed = lambda name, fn: _timed(timings, name, fn)
+    corpus = timed("corpus", lambda: load_corpus(config.corpus))
+    log(f"corpus: {corpus!r}")
+    if corpus.stats.get("heldout_fallback"):
+        log.warn(f"corpus: no block passes the sha1 rule; block {corpus.heldout_names[0]} is held out instead")
+    toks = timed("tokenizers", lambda: train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache, warn=log.warn))
+    log(f"tokenizers: {toks!r}; " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in toks.stats.items()))
+    full = timed("eval windows", lambda: make_eval_set(corpus.heldout_text, toks, max(_EVAL_WINDOWS, config.eval_windows)))
+    eval_set = full.head(min(config.eval_windows, len(full)))
+    curve_set = eval_set.head(min(config.curve_windows, len(eval_set)))
+    log(f"evaluation windows: {eval_set.stats}; curves on {len(curve_set)}")
+    alignment = timed("alignment checks", lambda: _alignment_checks(_StepBatcher(toks.student, toks.teacher).align(eval_set.texts),
+                                                                    eval_set.texts, toks.student, toks.teacher))
+    log(f"alignment of the evaluation windows: {alignment}")
+    teacher = timed("teacher", lambda: train_teacher(corpus, toks, steps=config.teacher_steps, cache_dir=config.cache_path,
+                                                     no_cache=config.no_cache, progress=config.progress, warn=log.warn))
+    teacher_bpb = timed("teacher eval", lambda: bits_per_byte(teacher.model, eval_set.teacher_ids, eval_set.texts))
+    log(f"teacher: {teacher!r}, {teacher.step_s * 1000:.0f} ms/step, BPB {teacher_bpb:.4f}")
+    projection = timed("projection", lambda: demo_projection(toks, config.cache_path, no_cache=config.no_cache))
+    log(f"projection: {projection!r}")
+    return _Prepared(corpus, toks, eval_set, curve_set, alignment, teacher, teacher_bpb, projection)
+
+def _finish_run(config: DemoConfig, arms: list, prep: _Prepared, runs: dict, out: Path, log: _RunLog, timings: dict,
+                wall: float) -> DemoResult:
+    "The results, the report and the output files of a finished run."
+    start = time.perf_counter()
+    results = _results(config, arms, prep.corpus, prep.toks, prep.eval_set, prep.curve_set, prep.alignment, prep.projection,
+                       prep.teacher, prep.teacher_bpb, runs)
+    report = render_report(results)
+    files = _write_outputs(config, results, runs, prep.toks, prep.teacher, prep.projection, out)
+    timings["outputs"] = time.perf_counter() - start
+    results["timings"], results["wall_s"] = timings, time.perf_counter() - wall
+    files["results_md"].write_text(report)
+    files["results_json"].write_text(json.dumps(results, indent=1))
+    log("results:\n" + report)
+    log(_format_timings(timings))
+    return DemoResult(config, results, report, out, files, runs)
+
 def run_demo(
     config: DemoConfig | None = None, # the run's settings; `DemoConfig()` by default
 ) -> DemoResult:
@@ -1599,45 +1714,15 @@ def run_demo(
     config.cache_path.mkdir(parents=True, exist_ok=True)
     log, timings, threads_before, wall = _RunLog(out / "run.log", config.verbose), {}, torch.get_num_threads(), time.perf_counter()
     torch.set_num_threads(config.threads)
-    def timed(name, fn):
-        start = time.perf_counter(); value = fn(); timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
-        return value
     try:
         log(f"demo: preset {config.preset}, corpus {config.corpus}, arms {', '.join(config.arms)}, seeds {config.seed_list}, "
             f"{config.student_steps} student steps, {config.threads} thread(s), dp {config.dp}"
             f"{', teacher logits via IPC' if config.via_ipc else ''}, out {out}")
-        corpus = timed("corpus", lambda: load_corpus(config.corpus))
-        log(f"corpus: {corpus!r}")
-        if corpus.stats.get("heldout_fallback"):
-            log.warn(f"corpus: no block passes the sha1 rule; block {corpus.heldout_names[0]} is held out instead")
-        toks = timed("tokenizers", lambda: train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache, warn=log.warn))
-        log(f"tokenizers: {toks!r}; " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in toks.stats.items()))
-        full = timed("eval windows", lambda: make_eval_set(corpus.heldout_text, toks, max(EVAL_WINDOWS, config.eval_windows)))
-        eval_set = full.head(min(config.eval_windows, len(full)))
-        curve_set = eval_set.head(min(config.curve_windows, len(eval_set)))
-        log(f"evaluation windows: {eval_set.stats}; curves on {len(curve_set)}")
-        alignment = timed("alignment checks", lambda: alignment_checks(StepBatcher(toks.student, toks.teacher).align(eval_set.texts),
-                                                                       eval_set.texts, toks.student, toks.teacher))
-        log(f"alignment of the evaluation windows: {alignment}")
-        teacher = timed("teacher", lambda: train_teacher(corpus, toks, steps=config.teacher_steps, cache_dir=config.cache_path,
-                                                         no_cache=config.no_cache, progress=config.progress, warn=log.warn))
-        teacher_bpb = timed("teacher eval", lambda: bits_per_byte(teacher.model, eval_set.teacher_ids, eval_set.texts))
-        log(f"teacher: {teacher!r}, {teacher.step_s * 1000:.0f} ms/step, BPB {teacher_bpb:.4f}")
-        projection = timed("projection", lambda: demo_projection(toks, config.cache_path, no_cache=config.no_cache))
-        log(f"projection: {projection!r}")
-        runs = _train_all_students(config, arms, corpus, toks, teacher.model, projection, eval_set, curve_set, log, timings)
+        prep = _prepare_run(config, log, timings)
+        runs = _train_all_students(config, arms, prep.corpus, prep.toks, prep.teacher.model, prep.projection, prep.eval_set,
+                                   prep.curve_set, log, timings)
         torch.set_num_threads(config.threads)
-        start = time.perf_counter()
-        results = _results(config, arms, corpus, toks, eval_set, curve_set, alignment, projection, teacher, teacher_bpb, runs)
-        report = render_report(results)
-        files = _write_outputs(config, results, runs, toks, teacher, projection, out)
-        timings["outputs"] = time.perf_counter() - start
-        results["timings"], results["wall_s"] = timings, time.perf_counter() - wall
-        files["results_md"].write_text(report)
-        files["results_json"].write_text(json.dumps(results, indent=1))
-        log("results:\n" + report)
-        log(_format_timings(timings))
-        return DemoResult(config, results, report, out, files, runs)
+        return _finish_run(config, arms, prep, runs, out, log, timings, wall)
     except BaseException as e:
         log(f"failed: {type(e).__name__}: {e}")
         raise
@@ -1653,14 +1738,14 @@ def tune_alm(
     taus: Sequence[float] = (30.0, 100.0, 300.0), # ALM τ values to try
 ) -> dict:
     "ALM's weight and τ chosen by BPB Δ against CE on seeds that no reported run uses."
-    config = config if config is not None else DemoConfig(seeds=1, seed_offset=ALM_TUNING["seed"], progress=False, verbose=False)
+    config = config if config is not None else DemoConfig(seeds=1, seed_offset=_ALM_TUNING["seed"], progress=False, verbose=False)
     reported = set(range(PRESETS["default"]["seeds"]))
     if set(config.seed_list) & reported:
         raise ValueError(f"config: tune on seeds that no report uses (not {sorted(reported)}), got {config.seed_list}")
     log = print if config.verbose else (lambda message: None)
     corpus = load_corpus(config.corpus)
     toks = train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache)
-    eval_set = make_eval_set(corpus.heldout_text, toks, max(EVAL_WINDOWS, config.eval_windows)).head(config.eval_windows)
+    eval_set = make_eval_set(corpus.heldout_text, toks, max(_EVAL_WINDOWS, config.eval_windows)).head(config.eval_windows)
     curve_set = eval_set.head(min(config.curve_windows, len(eval_set)))
     teacher = train_teacher(corpus, toks, steps=config.teacher_steps, cache_dir=config.cache_path, progress=config.progress)
     projection = demo_projection(toks, config.cache_path)

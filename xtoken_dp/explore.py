@@ -16,6 +16,7 @@ import torch
 
 from .aligner import AlignmentStats, TokenAligner
 from .codec import long_tail_lengths, pack_jagged_fields, wire_nbytes
+from .core import check_int
 from .schema import FieldSpec, Schema, lengths_to_offsets, make_jagged
 from .tokenizers import TOKENIZER_SOURCES, TOY_KINDS, available_tokenizers, load_tokenizer, train_toy_tokenizer
 from .viz import alignment_html
@@ -89,6 +90,44 @@ def _pick(arg: str, names: list[str], wanted: str | None, preferred: Sequence[st
         if name in names and name != avoid: return name
     return names[0]
 
+# %% ../nbs/11_explore.ipynb #e5cdf3bd
+def _explorer_box(names: list[str], text: str, student: str, teacher: str) -> widgets.VBox:
+    "The explorer's controls and outputs in one box; each is also an attribute (`box.text`, `box.student`, ...)."
+    text_area = widgets.Textarea(value=text, description="text", layout=widgets.Layout(width="100%", height="80px"))
+    student_dd = widgets.Dropdown(options=names, value=student, description="student")
+    teacher_dd = widgets.Dropdown(options=names, value=teacher, description="teacher")
+    special = widgets.Checkbox(value=True, description="add special tokens")
+    view, stats = widgets.HTML(), widgets.HTML()
+    box = widgets.VBox([text_area, widgets.HBox([student_dd, teacher_dd, special]), view, stats])
+    box.text, box.student, box.teacher, box.special_tokens, box.view, box.stats = (text_area, student_dd, teacher_dd,
+                                                                                 special, view, stats)
+    return box
+
+
+def _alignment_renderer(box: widgets.VBox, choices: Mapping[str, Callable]) -> Callable:
+    "The callback that aligns `box.text` between the selected tokenizers and renders the view and the table."
+    loaded, aligners = {}, {}
+
+    def aligner_for(pair):
+        if pair not in aligners:
+            for name in pair:
+                if name not in loaded: loaded[name] = choices[name]()
+            aligners[pair] = TokenAligner(loaded[pair[0]], loaded[pair[1]])
+        return aligners[pair]
+
+    def render(change=None):
+        try:
+            pair = (box.student.value, box.teacher.value)
+            aligner = aligner_for(pair)
+            result = aligner.align_texts([box.text.value], add_special_tokens=box.special_tokens.value)
+            box.view.value = alignment_html(result, box.text.value, aligner=aligner, names=pair).html
+            box.stats.value = stats_table(result.stats())
+            box.result, box.error = result, None
+        except Exception as e:  # shown, not raised: a widget callback has nowhere to raise to
+            box.view.value = f"<pre style='color:#b91c1c'>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
+            box.stats.value, box.result, box.error = "", None, e
+    return render
+
 
 def alignment_explorer(tokenizers: Sequence[str] | Mapping | None = None, # choices (see `tokenizer_choices`)
                        text: str = DEFAULT_TEXT, # the initial text
@@ -102,34 +141,9 @@ def alignment_explorer(tokenizers: Sequence[str] | Mapping | None = None, # choi
     if not isinstance(text, str): raise TypeError(f"text must be a str, got {type(text).__name__}")
     student = _pick("student", names, student, ("mistral_spm", "qwen2"))
     teacher = _pick("teacher", names, teacher, ("qwen2", "mistral_tekken"), avoid=student)
-    text_area = widgets.Textarea(value=text, description="text", layout=widgets.Layout(width="100%", height="80px"))
-    student_dd = widgets.Dropdown(options=names, value=student, description="student")
-    teacher_dd = widgets.Dropdown(options=names, value=teacher, description="teacher")
-    special = widgets.Checkbox(value=True, description="add special tokens")
-    view, stats = widgets.HTML(), widgets.HTML()
-    box = widgets.VBox([text_area, widgets.HBox([student_dd, teacher_dd, special]), view, stats])
-    loaded, aligners = {}, {}
-
-    def load(name):
-        if name not in loaded: loaded[name] = choices[name]()
-        return loaded[name]
-
-    def render(change=None):
-        try:
-            pair = (student_dd.value, teacher_dd.value)
-            if pair not in aligners: aligners[pair] = TokenAligner(load(pair[0]), load(pair[1]))
-            aligner = aligners[pair]
-            result = aligner.align_texts([text_area.value], add_special_tokens=special.value)
-            view.value = alignment_html(result, text_area.value, aligner=aligner, names=pair).html
-            stats.value = stats_table(result.stats())
-            box.result, box.error = result, None
-        except Exception as e:  # shown, not raised: a widget callback has nowhere to raise to
-            view.value = f"<pre style='color:#b91c1c'>{html.escape(f'{type(e).__name__}: {e}')}</pre>"
-            stats.value, box.result, box.error = "", None, e
-
-    for control in (text_area, student_dd, teacher_dd, special): control.observe(render, names="value")
-    box.text, box.student, box.teacher, box.special_tokens, box.view, box.stats = (text_area, student_dd, teacher_dd,
-                                                                                 special, view, stats)
+    box = _explorer_box(names, text, student, teacher)
+    render = _alignment_renderer(box, choices)
+    for control in (box.text, box.student, box.teacher, box.special_tokens): control.observe(render, names="value")
     render()
     return box
 
@@ -137,10 +151,7 @@ def alignment_explorer(tokenizers: Sequence[str] | Mapping | None = None, # choi
 DISTRIBUTIONS = ("exponential", "uniform", "full")
 
 
-def _check_int(name: str, value, least: int):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {least}, got {type(value).__name__} {value!r}")
-    if value < least: raise ValueError(f"{name} must be an int >= {least}, got {value}")
+
 _TAX_SCHEMA = Schema([FieldSpec("input_ids", "token", torch.int64), FieldSpec("logprobs", "token", torch.float32),
                       FieldSpec("token_mask", "token", torch.bool), FieldSpec("reward", "sample", torch.float32)])
 
@@ -152,7 +163,7 @@ def tax_lengths(n: int, # rows
                 seed: int = 0, # generator seed
                ) -> torch.Tensor:
     "int64 row lengths of a batch shape."
-    _check_int("n", n, 0); _check_int("s", s, 1)
+    check_int("n", n, minimum=0); check_int("s", s, minimum=1)
     if isinstance(mean_fraction, bool) or not isinstance(mean_fraction, (int, float)) or not 0 < mean_fraction <= 1:
         raise ValueError(f"mean_fraction must be a number in (0, 1], got {mean_fraction!r}")
     if distribution == "exponential": return long_tail_lengths(n, s, seed=seed, mean_fraction=mean_fraction)
@@ -209,7 +220,7 @@ def padding_tax_explorer(n: int = 256, # initial rows
                         ) -> widgets.VBox:
     "An ipywidgets app: sliders for N, S and the length distribution in; jagged vs padded bytes and a plot out."
     tax_lengths(n, s, distribution, mean_fraction=mean_fraction, seed=seed)  # checks every argument before any widget
-    if n < 1: raise ValueError(f"n must be an int >= 1, got {n}")
+    check_int("n", n, minimum=1)
     # a slider clamps values outside its range, so each range is widened to hold the given start value
     n_slider = widgets.IntSlider(value=n, min=min(8, n), max=max(1024, n), step=1, description="N rows")
     s_slider = widgets.IntSlider(value=s, min=min(64, s), max=max(8192, s), step=1, description="S width")

@@ -14,7 +14,6 @@ __all__ = ['CONTROL_FIELDS', 'CONTROL_MAGIC', 'STORAGES', 'DENSIFY_FLOOR', 'IPC_
 
 # %% ../nbs/09_ipc.ipynb #bb3c3aca
 import math
-import operator
 import os
 import socket
 import uuid
@@ -28,7 +27,7 @@ import torch
 from fastcore.basics import patch
 from torch import Tensor
 
-from .core import dtype_name
+from .core import check_int, dtype_name
 
 # %% ../nbs/09_ipc.ipynb #59d53122
 @lru_cache(maxsize=1)
@@ -188,14 +187,6 @@ def densify(self: TopKTeacherLogits) -> Tensor:
 # %% ../nbs/09_ipc.ipynb #492fce31
 _FILE_PREFIX = "xtdp_"
 
-def _check_int(name, value, *, minimum=1, maximum=None) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    value = operator.index(value)
-    if value < minimum: raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum: raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
-
 def _producer_device(device) -> torch.device:
     try: device = torch.device(device)
     except (RuntimeError, TypeError) as e: raise ValueError(f"device: expected 'cpu' or 'cuda[:i]', got {device!r}") from e
@@ -247,12 +238,12 @@ class TeacherLogitsProducer:
                  topk: int|None=None, # k, required by storage="topk"
                  shm_dir=None, # directory of the shared-memory files (default /dev/shm)
                 ):
-        capacity = (_check_int("max_batch", max_batch), _check_int("max_seq_len", max_seq_len),
-                    _check_int("vocab_width", vocab_width))
+        capacity = (check_int("max_batch", max_batch, minimum=1), check_int("max_seq_len", max_seq_len, minimum=1),
+                    check_int("vocab_width", vocab_width, minimum=1))
         if storage not in STORAGES: raise ValueError(f"storage: expected one of {STORAGES}, got {storage!r}")
         if storage == "topk":
             if topk is None: raise ValueError("topk: storage='topk' needs topk=k, the logits kept per position; got None")
-            topk = _check_int("topk", topk, maximum=capacity[2])
+            topk = check_int("topk", topk, minimum=1, maximum=capacity[2])
         elif topk is not None:
             raise ValueError(f"topk: only storage='topk' keeps a top-k, got topk={topk!r} with storage={storage!r}")
         self.device = _producer_device(device)
@@ -400,7 +391,7 @@ def publish(self: TeacherLogitsProducer,
     "Write `logits` into the persistent buffer and return one handle per sample, in sample order."
     if self.released: raise ValueError("publish: this producer was released; create a new one")
     B, T, W = _check_logits(logits)
-    vocab_size = W if vocab_size is None else _check_int("vocab_size", vocab_size, maximum=W)
+    vocab_size = W if vocab_size is None else check_int("vocab_size", vocab_size, minimum=1, maximum=W)
     if self.storage == "topk" and vocab_size < self.topk:
         raise ValueError(f"vocab_size: storage='topk' keeps k={self.topk} ids, so vocab_size must be >= {self.topk}, got {vocab_size}")
     if target_ids is not None: _check_target_ids(target_ids, (B, T), vocab_size)

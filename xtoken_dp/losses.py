@@ -7,6 +7,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/losses.html.md"""
 # %% ../nbs/08_losses.ipynb #2dc900f4
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -26,6 +27,7 @@ from fastcore.basics import patch
 from tensordict import TensorDictBase
 
 from .aligner import shift_chunk_ids
+from .core import check_bool, check_int
 from .caches import build_exact_token_map, clear_caches, get_sparse_projection_matrix, get_topk_projection
 from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
@@ -42,10 +44,7 @@ __all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRI
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
 
 # %% ../nbs/08_losses.ipynb #8ac97ad9
-def _check_max_chunks(max_chunks):
-    if isinstance(max_chunks, bool) or not isinstance(max_chunks, numbers.Integral) or max_chunks < 0:
-        raise ValueError(f"max_chunks must be an int >= 0, got {max_chunks!r}")
-    return int(max_chunks)
+def _check_max_chunks(max_chunks): return check_int("max_chunks", max_chunks, minimum=0)
 
 
 def _check_chunk_id(chunk_id, shape):
@@ -362,14 +361,6 @@ KD_LOSS_MODES = ("sum", "averaged_logits", "select_teacher")
 SUM_WEIGHTS_METRICS = ("ce", "entropy", "max_prob")
 
 
-def _check_int(name, value, minimum=1, optional=False):
-    if value is None and optional: return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
-    if value < minimum: raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_float(name, value, *, positive=False, nonnegative=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -380,11 +371,6 @@ def _check_float(name, value, *, positive=False, nonnegative=False):
 
 def _check_choice(name, value, choices):
     if value not in choices: raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def _check_bool(name, value):
-    if not isinstance(value, bool): raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
 
 
@@ -408,7 +394,7 @@ class TeacherLossSpec:
         if self.mode == "topk_kl" and path is not None:
             raise ValueError(f"mode 'topk_kl' (same vocabulary) uses no projection, got projection_path={path!r}")
         if self.vocab_size is None: raise ValueError("vocab_size (the teacher's len(tokenizer)) is required, got None")
-        object.__setattr__(self, "vocab_size", _check_int("vocab_size", self.vocab_size))
+        object.__setattr__(self, "vocab_size", check_int("vocab_size", self.vocab_size, minimum=1))
         object.__setattr__(self, "weight", _check_float("weight", self.weight))
 
 # %% ../nbs/08_losses.ipynb #036b21e6
@@ -419,7 +405,7 @@ class XTokenLossConfig:
     teachers: tuple  # one TeacherLossSpec (or a dict of its fields) per teacher; index i = teacher_{i}_* keys
     temperature: float = 1.0  # κ of pkl, gold, hkl and topk_kl (KD terms carry κ²)
     vocab_topk: int = 8192  # teacher columns kept by pkl and topk_kl
-    topk_scope: str = "sample"  # "sample" (invariant) or "microbatch" (the anchor; depends on the split)
+    topk_scope: str = "sample"  # "sample" (invariant) or "microbatch" (the reference loss implementation's; depends on the split)
     uncommon_topk: int = 8192  # sorted entries of the gold/hkl tail L1
     uncommon_weight: float = 1.0  # weight of the gold/hkl tail L1
     reverse_kl: bool = False  # KL(student || teacher) instead of KL(teacher || student)
@@ -440,19 +426,19 @@ class XTokenLossConfig:
     normalize_teacher_by_vocab: bool = False  # sum: scale teacher i by log V_t,i / log min_j V_t,j
     alpha: float = 1.0  # sharpness of dynamic weights softmax(alpha·score)
     sum_weights_metric: str | None = None  # sum: None (static weights), "ce", "entropy" or "max_prob"
-    anchor_compat: bool = False  # reproduce the anchor's per-chunk formulas (values can be negative)
+    reference_formulas: bool = False  # the reference loss implementation's per-chunk formulas (values can be negative)
 
     def __post_init__(self): _validate_config(self)
 
     @property
     def effective_topk_scope(self) -> str:
-        "The top-k scope in use: `topk_scope`, or 'microbatch' under `anchor_compat`."
-        return "microbatch" if self.anchor_compat else self.topk_scope
+        "The top-k scope in use: `topk_scope`, or 'microbatch' under `reference_formulas`."
+        return "microbatch" if self.reference_formulas else self.topk_scope
 
     @property
     def effective_row_normalize(self) -> bool:
-        "Whether P-KL normalises projection rows: `projection_row_normalize`, never under `anchor_compat`."
-        return self.projection_row_normalize and not self.anchor_compat
+        "Whether P-KL normalises projection rows: `projection_row_normalize`, never under `reference_formulas`."
+        return self.projection_row_normalize and not self.reference_formulas
 
     @property
     def needs_scores(self) -> bool:
@@ -496,38 +482,68 @@ def _validate_teachers(cfg):
 
 def _validate_config(cfg):
     put = lambda name, value: object.__setattr__(cfg, name, value)
-    put("student_vocab_size", _check_int("student_vocab_size", cfg.student_vocab_size))
+    put("student_vocab_size", check_int("student_vocab_size", cfg.student_vocab_size, minimum=1))
     put("teachers", _teacher_specs(cfg.teachers))
     put("temperature", _check_float("temperature", cfg.temperature, positive=True))
-    put("vocab_topk", _check_int("vocab_topk", cfg.vocab_topk))
-    put("uncommon_topk", _check_int("uncommon_topk", cfg.uncommon_topk))
+    put("vocab_topk", check_int("vocab_topk", cfg.vocab_topk, minimum=1))
+    put("uncommon_topk", check_int("uncommon_topk", cfg.uncommon_topk, minimum=1))
     put("uncommon_weight", _check_float("uncommon_weight", cfg.uncommon_weight, nonnegative=True))
     put("alm_tau", _check_float("alm_tau", cfg.alm_tau, positive=True))
-    put("uld_topk", _check_int("uld_topk", cfg.uld_topk, optional=True))
+    put("uld_topk", check_int("uld_topk", cfg.uld_topk, minimum=1, optional=True))
     for name in ("uld_student_temperature", "uld_teacher_temperature"):
         put(name, _check_float(name, getattr(cfg, name), positive=True))
     for name in ("kl_loss_weight", "ce_loss_scale", "alpha"): put(name, _check_float(name, getattr(cfg, name)))
     for name in ("reverse_kl", "exact_token_match_only", "projection_row_normalize", "common_renormalize",
-                 "dynamic_loss_scaling", "normalize_teacher_by_vocab", "anchor_compat"):
-        _check_bool(name, getattr(cfg, name))
+                 "dynamic_loss_scaling", "normalize_teacher_by_vocab", "reference_formulas"):
+        put(name, check_bool(name, getattr(cfg, name)))
     _check_choice("topk_scope", cfg.topk_scope, ("sample", "microbatch"))
     _check_choice("chunk_target", cfg.chunk_target, ("arithmetic", "geometric"))
     _check_choice("chunk_reduce", cfg.chunk_reduce, ("mean", "first"))
     _check_choice("alm_divergence", cfg.alm_divergence, ("binary_kl", "binary_ce"))
     _check_choice("kd_loss_mode", cfg.kd_loss_mode, KD_LOSS_MODES)
     _check_choice("sum_weights_metric", cfg.sum_weights_metric, (None, *SUM_WEIGHTS_METRICS))
-    if cfg.anchor_compat and (cfg.chunk_target != "arithmetic" or cfg.common_renormalize):
-        raise ValueError("anchor_compat reproduces the anchor's targets: it has no chunk_target='geometric' or "
+    if cfg.reference_formulas and (cfg.chunk_target != "arithmetic" or cfg.common_renormalize):
+        raise ValueError("reference_formulas reproduces the reference loss implementation's chunk targets: it has no "
+                         "chunk_target='geometric' or "
                          f"common_renormalize, got chunk_target={cfg.chunk_target!r}, "
                          f"common_renormalize={cfg.common_renormalize}")
     _validate_teachers(cfg)
 
+# %% ../nbs/08_losses.ipynb #48b1b5ab
+_DEPRECATED_NAMES = {"anchor_compat": "reference_formulas"}  # old name -> the config field it stands for
+
+
+def _deprecation(old):
+    warnings.warn(f"XTokenLossConfig.{old} is deprecated; use {_DEPRECATED_NAMES[old]}", DeprecationWarning, stacklevel=3)
+
+
+def _accepting_deprecated_names(init):
+    "Wrap the dataclass `__init__` so that each deprecated keyword sets its field, with a `DeprecationWarning`."
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for old, new in _DEPRECATED_NAMES.items():
+            if old in kwargs:
+                _deprecation(old)
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+XTokenLossConfig.__init__ = _accepting_deprecated_names(XTokenLossConfig.__init__)
+
+
+@patch(as_prop=True)
+def anchor_compat(self: XTokenLossConfig) -> bool:
+    "Deprecated name of `reference_formulas`."
+    _deprecation("anchor_compat")
+    return self.reference_formulas
+
 # %% ../nbs/08_losses.ipynb #ca745a41
-_ANCHOR_TEACHER_KEYS = ("projection_matrix_paths", "teacher_vocab_sizes", "teacher_weights", "teacher_gold_loss",
+_REFERENCE_TEACHER_KEYS = ("projection_matrix_paths", "teacher_vocab_sizes", "teacher_weights", "teacher_gold_loss",
                         "teacher_xtoken_loss", "gold_loss", "xtoken_loss")
 
 
-def _anchor_mode(i, path, gold, xtoken):
+def _reference_mode(i, path, gold, xtoken):
     if xtoken and not gold:
         raise ValueError(f"teacher {i}: xtoken_loss=True refines the gold loss and needs gold_loss=True, got gold_loss=False")
     if path is None: return "topk_kl"
@@ -545,14 +561,15 @@ def _per_teacher(d, key, n, default):
 
 
 @patch(cls_method=True)
-def from_anchor_dict(cls: XTokenLossConfig,
-                     d: Mapping, # the anchor's loss settings
-                     **overrides, # XTokenLossConfig fields to set on top
-                    ) -> XTokenLossConfig:
-    "Map the anchor's loss keys (gold_loss/xtoken_loss, projection_matrix_paths, teacher_vocab_sizes, teacher_weights) to a config."
+def from_reference_dict(cls: XTokenLossConfig,
+                        d: Mapping, # the reference loss implementation's settings
+                        **overrides, # XTokenLossConfig fields to set on top
+                       ) -> XTokenLossConfig:
+    "Map the reference loss settings (gold_loss/xtoken_loss, projection_matrix_paths, teacher_vocab_sizes, teacher_weights) to a config."
     known = {f.name for f in fields(cls)} - {"teachers"}
-    unknown = sorted(set(d) - known - set(_ANCHOR_TEACHER_KEYS) - {"loss_type"})
-    if unknown: raise ValueError(f"unknown anchor keys {unknown}; known: {sorted(known | set(_ANCHOR_TEACHER_KEYS))}")
+    unknown = sorted(set(d) - known - set(_REFERENCE_TEACHER_KEYS) - {"loss_type"})
+    if unknown: raise ValueError(f"d: unknown keys {unknown} of the reference loss settings; known: "
+                                 f"{sorted(known | set(_REFERENCE_TEACHER_KEYS))}")
     if d.get("loss_type", "KL") != "KL": raise ValueError(f"loss_type must be 'KL', got {d['loss_type']!r}")
     paths = d.get("projection_matrix_paths")
     if not isinstance(paths, (list, tuple)) or not paths:
@@ -566,12 +583,20 @@ def from_anchor_dict(cls: XTokenLossConfig,
     settings = {k: v for k, v in d.items() if k in known}
     settings.update(overrides)
     if settings.get("kd_loss_mode", "sum") != "sum" and (gold_each != [gold] * n or xtoken_each != [xtoken] * n):
-        warnings.warn("per-teacher gold/xtoken overrides only apply with kd_loss_mode='sum' (as in the anchor); "
+        warnings.warn("per-teacher gold/xtoken overrides only apply with kd_loss_mode='sum' (as in the reference loss "
+                      "implementation); "
                       "using the global gold_loss/xtoken_loss for every teacher", UserWarning, stacklevel=2)
         gold_each, xtoken_each = [gold] * n, [xtoken] * n
-    teachers = [dict(mode=_anchor_mode(i, p, g, x), projection_path=p, vocab_size=v, weight=w)
+    teachers = [dict(mode=_reference_mode(i, p, g, x), projection_path=p, vocab_size=v, weight=w)
                 for i, (p, g, x, v, w) in enumerate(zip(paths, gold_each, xtoken_each, sizes, weights))]
     return cls(teachers=teachers, **settings)
+
+
+@patch(cls_method=True)
+def from_anchor_dict(cls: XTokenLossConfig, d: Mapping, **overrides) -> XTokenLossConfig:
+    "Deprecated name of `XTokenLossConfig.from_reference_dict`."
+    warnings.warn("XTokenLossConfig.from_anchor_dict is deprecated; use from_reference_dict", DeprecationWarning, stacklevel=2)
+    return cls.from_reference_dict(d, **overrides)
 
 # %% ../nbs/08_losses.ipynb #bc877a24
 @dataclass(frozen=True)
@@ -670,7 +695,8 @@ class _Microbatch:
         self.device, self.dtype = student_logits.device, _compute_dtype(student_logits)
         self.z = student_logits.to(self.dtype)
         if self.W < config.student_vocab_size:
-            raise ValueError(f"student logits width W_s={self.W} is smaller than student_vocab_size={config.student_vocab_size}")
+            raise ValueError(f"student_logits: expected a logit width W_s >= {config.student_vocab_size} (student_vocab_size, "
+                             f"the student vocabulary), got {self.W}")
         self.ids = _token_field(self.flat, "input_ids", self.T, 0).to(self.device, torch.int64)
         if self.ids.shape[0] != self.B:
             raise ValueError(f"input_ids has {self.ids.shape[0]} rows, student_logits has {self.B}")
@@ -687,8 +713,10 @@ class _Microbatch:
         return _next_logprob(self.z, self.targets, self.next_mask)
 
     def sliced(self, width, what):
-        "The student logits cut to `width` columns (a `ValueError` if they are narrower)."
-        if self.W < width: raise ValueError(f"{what}: student logits width W_s={self.W} is smaller than the slice {width}")
+        "The student logits cut to the `width` columns of the student vocabulary that `what` reads (a `ValueError` if narrower)."
+        if self.W < width:
+            raise ValueError(f"student_logits: {what} reads the student vocabulary's {width} columns; expected a logit "
+                             f"width W_s >= {width}, got {self.W}")
         return self.z[..., :width]
 
     def chunks(self, i, T_t) -> _Chunks:
@@ -719,8 +747,10 @@ class _Teacher:
         return dense.detach().to(self.mb.device, self.mb.dtype)
 
     def sliced(self, width):
+        "The teacher logits cut to the `width` columns of the teacher's vocabulary (a `ValueError` if narrower)."
         if self.W < width:
-            raise ValueError(f"teacher {self.i}: logits width W_t={self.W} is smaller than the slice {width}")
+            raise ValueError(f"teacher_logits[{self.i}]: teacher {self.i} ({self.spec.mode}) reads its vocabulary's {width} "
+                             f"columns; expected a logit width W_t >= {width}, got {self.W}")
         return self.logits[..., :width]
 
     @cached_property
@@ -820,13 +850,13 @@ def _pkl_term(mb, teacher, chunks):
     M = get_sparse_projection_matrix(spec.projection_path, mb.device, student_vocab_size=cfg.student_vocab_size,
                                      teacher_vocab_size=spec.vocab_size, row_normalize=cfg.effective_row_normalize)
     V_s, V_t = M.shape
-    z, y = mb.sliced(V_s, f"teacher {teacher.i} (pkl)"), teacher.sliced(V_t)
+    z, y = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), teacher.sliced(V_t)
     k = min(cfg.vocab_topk, V_t)
     cols = _teacher_columns(y, chunks.tau >= 0, k, cfg.effective_topk_scope)
     r = _project(M, torch.softmax(_tempered(z, kappa), -1), cols)
     ell = torch.log_softmax(_tempered(y.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)), kappa), -1)
     R = _reduce(r, chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
-    if cfg.anchor_compat:
+    if cfg.reference_formulas:
         L = _reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         R_hat, target = R / (R.sum(-1, keepdim=True) + PKL_EPS), L.exp()
         shifted = R_hat + PKL_EPS
@@ -897,12 +927,12 @@ def _gold_term(mb, teacher, chunks):
     token_map = build_exact_token_map(spec.projection_path, mb.device, xtoken_loss=spec.mode == "hkl",
                                       teacher_vocab_size=spec.vocab_size, student_vocab_size=cfg.student_vocab_size)
     rows = get_topk_projection(spec.projection_path, mb.device)[0].shape[0]
-    z = mb.sliced(max(cfg.student_vocab_size, rows), f"teacher {teacher.i} ({spec.mode})")
+    z = mb.sliced(max(cfg.student_vocab_size, rows), f"teacher {teacher.i}'s {spec.mode} term")
     y = teacher.sliced(spec.vocab_size)
     c_s, c_t = token_map["common_student"], token_map["common_teacher"]
     u_s, u_t = token_map["uncommon_student"], token_map["uncommon_teacher"]
     C = chunks.max_chunks
-    if cfg.anchor_compat:
+    if cfg.reference_formulas:
         A_s = _reduce(torch.log_softmax(_tempered(z, kappa), -1), chunks.sigma, C, cfg.chunk_reduce)
         A_t = _reduce(torch.log_softmax(_tempered(y, kappa), -1), chunks.tau, C, cfg.chunk_reduce)
         a_s, a_t = A_s[..., c_s], A_t[..., c_t]
@@ -930,8 +960,10 @@ def _gold_term(mb, teacher, chunks):
 def _topk_kl_term(mb, y):
     cfg, kappa = mb.config, mb.config.temperature
     V = cfg.student_vocab_size
-    if y.shape[-1] < V: raise ValueError(f"same-vocab teacher logits width {y.shape[-1]} is smaller than the slice {V}")
-    z, y = mb.sliced(V, "same-vocab teacher"), y[..., :V]
+    if y.shape[-1] < V:
+        raise ValueError(f"teacher_logits: a same-vocab teacher reads the student vocabulary's {V} columns; expected a "
+                         f"logit width W_t >= {V}, got {y.shape[-1]}")
+    z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
     cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk, V), cfg.effective_topk_scope)
     index = cols[:, None, :].expand(-1, mb.T, -1)
     log_t = torch.log_softmax(_tempered(y.gather(-1, index), kappa), -1)
@@ -977,7 +1009,7 @@ def _alm_term(mb, teacher, chunks):
 # %% ../nbs/08_losses.ipynb #e4518012
 def _uld_term(mb, teacher, chunks):
     cfg, spec, C = mb.config, teacher.spec, chunks.max_chunks
-    first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i} (uld)"), chunks.sigma, C)[0]
+    first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C)[0]
     first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C)[0]
     k = min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size)
     uld = _sorted_l1(torch.softmax(_tempered(first_s, cfg.uld_student_temperature), -1),
