@@ -1,8 +1,11 @@
-"""Acceptance tests of aligner.md §9 for the aligner (cases 1–12, 14–21, 27) with the real tokenizers.
+"""The aligner's must-handle cases with the real tokenizers: CJK, emoji, combining accents, whitespace, digits, byte
+fallback, BOS on one side, pad == eos, truncation, empty and whitespace-only texts, special strings in raw text,
+hand-made worked examples, the id-only path, layouts, the next-token shift and the pair report.
 
-The property test (case 13) is in test_aligner_props.py; cases 22–26 and 28–29 (collator, views) belong to their
-modules. Every alignment produced here also passes `AlignmentBatch.validate()` in both layouts and the invariant
-checks of `check_sample` (the checks of case 13 on one sample).
+The property test on random Unicode is in test_aligner_props.py; the collator and the views have their own test files.
+Every alignment produced here also passes `AlignmentBatch.validate()` in both layouts and the invariant checks of
+`check_sample` (the chunk properties of the property test, on one sample). Test names keep the numbers of the
+acceptance list they check.
 """
 import random, sys, unicodedata
 from pathlib import Path
@@ -17,6 +20,7 @@ from tokenizer_texts import random_texts
 
 from xtoken_dp.aligner import (AlignmentBatch, AlignmentResult, ChunkKind, TokenAligner, chunk_rows, shift_chunk_ids,
                                template_specials, truncate_batch, truncate_spans)
+from xtoken_dp.id_path import align_id_rows
 from xtoken_dp.tokenizers import ROLES, TokenSpans, batch_token_byte_spans, describe_tokenizer, load_tokenizer
 
 BYTE_LEVEL = ["qwen2", "mistral_tekken", "bpe_bytelevel", "bpe_bytelevel_digits"]
@@ -42,7 +46,7 @@ def byte_complete_text(name: str, text: str) -> bool:
 
 
 def check_sample(s, text: str | None = None, byte_complete: bool = False):
-    "§9 case 13 (a)–(f) on one SampleAlignment; (d) when the pair is byte-complete on `text`."
+    "The chunk properties (a)–(f) of the property test on one SampleAlignment; (d) when the pair is byte-complete on `text`."
     S, T, L, C = s.student, s.teacher, s.kept_nbytes, s.num_chunks
     st, en, kind = s.chunk_start, s.chunk_end, s.chunk_kind
     for ids in (s.student_chunk_id, s.teacher_chunk_id):  # (f) monotone ids in range, every slot used
@@ -104,7 +108,7 @@ def rows(aligner, text, **kw):
 
 
 def spans(pieces, nbytes, exact=True):
-    "Hand-made TokenSpans from [(start, end) | role name]; specials anchored per tokenizers.md §8.6."
+    "Hand-made TokenSpans from [(start, end) | role name]; specials anchored at the end of the content before them (L after it)."
     starts, ends, roles, prev = [], [], [], 0
     content = [i for i, p in enumerate(pieces) if not isinstance(p, str)]
     for i, p in enumerate(pieces):
@@ -354,7 +358,7 @@ def test_09_trailing_specials():
 def test_09_errors():
     al = pair("mistral_spm", "qwen2")
     with pytest.raises(ValueError, match="leaves no room for content"): al.align_texts([LONG], max_student_tokens=1)
-    with pytest.raises(ValueError, match="max_teacher_tokens must be None or an int >= 1"): al.align_texts([LONG], max_teacher_tokens=0)
+    with pytest.raises(ValueError, match="max_teacher_tokens: expected an int >= 1 or None, got 0"): al.align_texts([LONG], max_teacher_tokens=0)
     with pytest.raises(ValueError, match="one entry per side"): truncate_batch([[], []], [3])
 
 
@@ -404,7 +408,7 @@ def test_12_special_strings_are_content(a, b):
         assert (sp.role[lead:len(sp.ids) - trail] == 0).all()
 
 
-# ---- 14–17. the seed's worked examples ----
+# ---- 14–17. worked examples on hand-made spans ----
 
 def test_14_one_4_to_5_chunk():
     s = pair("bpe_bytelevel", "bpe_bytelevel").align_spans(
@@ -542,7 +546,8 @@ def test_19_different_streams_are_best_effort_but_valid():
     s_ids, s_mask = padded_ids(res.student_ids, 151643)
     t_ids, t_mask = padded_ids(res.teacher_ids, 0)
     out = al.align(s_ids, t_ids, student_attention_mask=s_mask, teacher_attention_mask=t_mask).validate()
-    _, id_res = al._align_id_rows(s_ids.numpy(), s_mask.numpy().astype(bool), t_ids.numpy(), t_mask.numpy().astype(bool))
+    _, id_res = align_id_rows(s_ids.numpy(), s_mask.numpy().astype(bool), t_ids.numpy(), t_mask.numpy().astype(bool),
+                              al.student_facts, al.teacher_facts, al.classes)
     for s in id_res.samples: check_sample(s)
     assert out.pair_is_correct.any() and (out.pair_is_correct.sum(1) <= out.num_chunks).all()
 

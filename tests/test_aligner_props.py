@@ -1,4 +1,4 @@
-"""§9 case 13: the chunk properties on random Unicode, for every ordered pair of the project's tokenizers.
+"""The chunk properties on random Unicode, for every ordered pair of the project's tokenizers.
 
 Each hypothesis example is one text; it is tokenised once per tokenizer and aligned for **every** ordered pair, so every
 pair sees every example (300 per pair by default, 2000 with `XTOKEN_DP_TEST_FLAGS=slow`). For each pair:

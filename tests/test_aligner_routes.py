@@ -1,9 +1,9 @@
-"""The tiled route of the chunk algorithm (`_align_tiled`) against the general sweep, field by field.
+"""The tiled route of the chunk algorithm (`align_tiled`) against the general sweep, field by field.
 
-`_align_flat(route="auto")` takes the tiled route whenever every sample of a batch tiles on both sides and the general
+`align_flat(route="auto")` takes the tiled route whenever every sample of a batch tiles on both sides and the general
 sweep otherwise; `route="general"` always sweeps. On random batches of random Unicode (multilingual text, emoji
 sequences, combining marks, whitespace runs, special-token strings, empty texts), tokenised by real tokenizer pairs
-from the installed packages and truncated to random contexts, the two routes must give identical `_Flat` arrays
+from the installed packages and truncated to random contexts, the two routes must give identical `FlatAlignment` arrays
 (values and dtypes), and so identical `AlignmentBatch`es. 100 batches per test by default, 600 with
 `XTOKEN_DP_TEST_FLAGS=slow`.
 """
@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tokenizer_support import no_network, tok
 from test_aligner_props import texts
 
-from xtoken_dp.aligner import _Flat, _align_flat, _align_tiled, TokenAligner, role_classes, truncate_batch
+from xtoken_dp.aligner import TokenAligner, role_classes, truncate_batch
+from xtoken_dp.chunking import FlatAlignment, align_flat, align_tiled
 from xtoken_dp.tokenizers import TokenSpans, batch_token_byte_spans
 
 SLOW = "slow" in os.environ.get("XTOKEN_DP_TEST_FLAGS", "").split()
@@ -30,9 +31,9 @@ PAIRS = [(a, b) for a in BYTE_COMPLETE for b in BYTE_COMPLETE if a != b] + [("mi
 CLASSES = role_classes()
 
 
-def differing_field(a: _Flat, b: _Flat):
-    "The first `_Flat` field whose dtype or values differ, else None."
-    for f in dataclasses.fields(_Flat):
+def differing_field(a: FlatAlignment, b: FlatAlignment):
+    "The first `FlatAlignment` field whose dtype or values differ, else None."
+    for f in dataclasses.fields(FlatAlignment):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x, y): return f.name
     return None
@@ -44,9 +45,9 @@ def both_routes(a: str, b: str, batch: list[str], ctx=(None, None)):
     S, T = cut.spans
     kept = [t.encode()[:s.nbytes] for t, s in zip(batch, S)]
     L = np.array([s.nbytes for s in S], np.int64)
-    general = _align_flat(S, T, CLASSES, kept.__getitem__, route="general")
-    auto = _align_flat(S, T, CLASSES, kept.__getitem__)
-    return _align_tiled(S, T, CLASSES, L), general, auto
+    general = align_flat(S, T, CLASSES, kept.__getitem__, route="general")
+    auto = align_flat(S, T, CLASSES, kept.__getitem__)
+    return align_tiled(S, T, CLASSES, L), general, auto
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -91,8 +92,8 @@ def test_tiled_route_declines():
     "Empty texts (L = 0), whitespace-skipping WordPiece and an empty batch go the general way."
     assert both_routes("qwen2", "mistral_tekken", ["Hello", ""])[0] is None
     assert both_routes("qwen2", "wordpiece_toy", ["Hello world"])[0] is None
-    assert _align_tiled([], [], CLASSES, np.zeros(0, np.int64)) is None
-    with pytest.raises(ValueError, match="route: expected"): _align_flat([], [], CLASSES, None, route="tiled")
+    assert align_tiled([], [], CLASSES, np.zeros(0, np.int64)) is None
+    with pytest.raises(ValueError, match="route: expected"): align_flat([], [], CLASSES, None, route="tiled")
 
 
 GAPPED = [("wordpiece_toy", "qwen2"), ("qwen2", "wordpiece_toy"), ("mistral_spm", "unigram_metaspace")]
