@@ -86,11 +86,12 @@ def test_teacher_seq_refuses_top_k_and_alignment_fields_in_other_rows():
             "TeacherSeq.topk_ids", "tokens.input_ids", "row 0")
     refused(lambda: TeacherSeq(teacher.tokens, teacher.alignment, teacher.topk_ids, jagged(moved, torch.float32, (2,)),
                                batch_size=[4]), "TeacherSeq.topk_logprobs", "row 0")
-    bad = alignment_with(teacher.alignment, teacher_chunk_id=jagged(moved))
-    refused(lambda: TeacherSeq(teacher.tokens, bad, batch_size=[4]), "alignment.teacher_chunk_id", "row 0")
+    bad = alignment_with(teacher.alignment, teacher_chunk_id=jagged(moved), teacher_exact_partition_mask=jagged(moved, torch.bool))
+    refused(lambda: TeacherSeq(teacher.tokens, bad, batch_size=[4]), "alignment.teacher_", "row 0")
     pairs = teacher.alignment.pair_valid.offsets().diff().tolist()  # [1, 2, 1, 3]
-    bad = alignment_with(teacher.alignment, pair_is_correct=jagged([pairs[1], pairs[0], *pairs[2:]], torch.bool))
-    refused(lambda: TeacherSeq(teacher.tokens, bad, batch_size=[4]), "alignment.pair_is_correct", "alignment.pair_valid")
+    swapped = jagged([pairs[1], pairs[0], *pairs[2:]], torch.bool)  # refused by the alignment itself, before TeacherSeq
+    refused(lambda: TeacherSeq(teacher.tokens, alignment_with(teacher.alignment, pair_is_correct=swapped), batch_size=[4]),
+            "pair_is_correct", "pair_valid", "row 0")
     copies = alignment_with(teacher.alignment, teacher_chunk_id=make_jagged(
         teacher.alignment.teacher_chunk_id.values(), teacher.tokens.offsets.clone()))
     shared = TeacherSeq(teacher.tokens, copies, teacher.topk_ids, batch_size=[4])
@@ -100,10 +101,11 @@ def test_teacher_seq_refuses_top_k_and_alignment_fields_in_other_rows():
 def test_distill_batch_refuses_alignment_student_fields_in_other_rows():
     batch = distill_batch()
     teacher = batch.teacher(0)
-    bad = alignment_with(teacher.alignment, student_chunk_id=jagged(OTHER_ROWS))  # the student has ROWS
+    bad = alignment_with(teacher.alignment, student_chunk_id=jagged(OTHER_ROWS),  # the student has ROWS
+                         student_exact_partition_mask=jagged(OTHER_ROWS, torch.bool))
     teachers = TensorDict({"0": TeacherSeq(teacher.tokens, bad, batch_size=[4])}, batch_size=[4])
     refused(lambda: DistillBatch(batch.student, batch.sample_mask, teachers, batch_size=[4]),
-            "teachers['0']", "alignment.student_chunk_id", "student.input_ids", "row 1 has 9 values")
+            "teachers['0']", "alignment.student_", "student.input_ids", "row 1 has 9 values")
     picked = batch[torch.tensor([3, 0, 0])]
     assert picked.teacher(0).alignment.student_chunk_id.offsets() is picked.student.offsets
     assert picked.teacher(0).alignment.teacher_chunk_id.offsets() is picked.teacher(0).tokens.offsets

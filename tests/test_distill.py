@@ -24,8 +24,9 @@ import torch
 from tokenizers import Tokenizer
 
 from xtoken_dp.distill import (ARMS, DEFAULT_ARMS, STUDENT_CTX, TEACHER_CTX, ArmSpec, DemoConfig, TinyGPT, TrainConfig,
-                               bits_per_byte, demo_main, demo_projection, load_corpus, make_eval_set, plan_windows,
+                               bits_per_byte, demo_projection, load_corpus, make_eval_set, plan_windows,
                                run_demo, student_config, train_student, train_teacher, train_tokenizers)
+from xtoken_dp.cli import main as cli_main
 from xtoken_dp.distill import (_BLOCK_BYTES, _EOS_TOKEN, _ArmStack, _StepBatcher, _alignment_checks,  # internals
                                _clip_grad_norm_per_arm_, _curves_figure, _is_heldout, _make_optimizer, _next_token_ce,
                                _wait_all, _wrap_tokenizer)
@@ -494,13 +495,13 @@ def test_dp_rank_failure_stops_the_other_rank():
 # DM11: CLI errors --------------------------------------------------------------------------------------------------
 
 def test_dm11_missing_corpus_exits_2(tmp_path, capsys):
-    assert demo_main(["--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
+    assert cli_main(["demo", "--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--corpus" in err and "nope.txt" in err
 
 
 def test_dm11_unknown_arm_lists_valid_arms(tmp_path, capsys):
-    assert demo_main(["--arms", "ce,bogus", "--out", str(tmp_path)]) == 2
+    assert cli_main(["demo", "--arms", "ce,bogus", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "bogus" in err and all(arm in err for arm in ARMS)
 
@@ -508,12 +509,13 @@ def test_dm11_unknown_arm_lists_valid_arms(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [["--seeds", "0"], ["--steps", "-3"], ["--kd-weight", "alm"], ["--kd-weight", "nope=1"],
                                   ["--preset", "slow"], ["--dp", "3"]])
 def test_dm11_other_usage_errors_exit_2(argv, tmp_path, capsys):
-    assert demo_main([*argv, "--out", str(tmp_path)]) == 2
-    assert "usage: xtoken-dp demo" in capsys.readouterr().err
+    assert cli_main(["demo", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xtoken-dp demo: error:") and err.count("\n") == 1, err
 
 
 def test_cli_help_lists_every_option(capsys):
-    assert demo_main(["--help"]) == 0
+    assert cli_main(["demo", "--help"]) == 0
     out = capsys.readouterr().out
     for option in ("--corpus", "--preset", "--seeds", "--steps", "--arms", "--kd-weight", "--threads", "--dp",
                    "--via-ipc", "--out", "--no-cache"):

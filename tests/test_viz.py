@@ -1,5 +1,5 @@
-"""aligner.md §7 and §9 case 28: the HTML view and the figure of an alignment, the demo's learning curves, and the
-`align --html` command, on real tokenizer pairs."""
+"""The views of an alignment (the HTML view, with one `data-chunk` span per chunk and everything escaped; the
+figure), the demo's learning curves, and the `align --html` command, on real tokenizer pairs."""
 import csv, html, inspect, io, re, sys, warnings
 from pathlib import Path
 
@@ -11,7 +11,8 @@ from tokenizer_support import BERT_MARKS, GOLDEN, no_network, tok
 from tokenizer_texts import random_texts
 
 from xtoken_dp.aligner import ChunkKind, TokenAligner
-from xtoken_dp.viz import align_html_main, alignment_html, plot_alignment, plot_learning_curves
+from xtoken_dp.cli import main as cli_main
+from xtoken_dp.viz import alignment_html, plot_alignment, plot_learning_curves
 
 PAIRS = [("mistral_spm", "qwen2"), ("qwen2", "mistral_tekken"), ("mistral_spm", "mistral_tekken"),
          ("qwen2", "bpe_bytelevel"), ("mistral_tekken", "unigram_metaspace"),
@@ -167,24 +168,25 @@ def test_learning_curves_keep_the_demo_signature():
 # ---- the align command's --html ----
 
 def test_align_html_command(tmp_path, capsys):
-    out = tmp_path / "a.html"
-    assert align_html_main([GOLDEN, "--student", "mistral_spm", "--teacher", "qwen2", "--html", str(out)]) == 0
+    out = tmp_path / "new" / "a.html"   # a missing folder is created
+    assert cli_main(["align", GOLDEN, "--student", "mistral_spm", "--teacher", "qwen2", "--html", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "byte_coverage" in printed and f"wrote {out}" in printed
     page = out.read_text(encoding="utf-8")
     al = TokenAligner(tok("mistral_spm"), tok("qwen2"))
     assert len(CHUNK_SPAN.findall(page)) == al.align_texts([GOLDEN]).samples[0].num_chunks
-    assert align_html_main(["-leading dash", "--student", "qwen2", "--teacher", "mistral_tekken", "--no-special-tokens"]) == 0
+    assert cli_main(["align", "-leading dash", "--student", "qwen2", "--teacher", "mistral_tekken",
+                     "--no-special-tokens"]) == 0
     assert "wrote" not in capsys.readouterr().out
 
 
 def test_align_html_command_usage_errors(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e: align_html_main(["--help"])
-    assert e.value.code == 0 and "--html FILE" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e: align_html_main(["text", "--student", "qwen2"])
-    assert e.value.code == 2
-    with pytest.raises(SystemExit) as e:
-        align_html_main(["text", "--student", "qwen2", "--teacher", "qwen2", "--html", str(tmp_path / "no" / "a.html")])
-    assert e.value.code == 2 and "--html must name a file in an existing folder" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e: align_html_main(["text", "--student", "gpt9", "--teacher", "qwen2"])
-    assert e.value.code == 2
+    assert cli_main(["align", "--help"]) == 0 and "--html FILE" in capsys.readouterr().out
+    assert cli_main(["align", "text", "--student", "qwen2"]) == 2
+    (tmp_path / "a_file").write_text("x")
+    assert cli_main(["align", "text", "--student", "qwen2", "--teacher", "qwen2", "--html",
+                     str(tmp_path / "a_file" / "a.html")]) == 2
+    assert "--html: cannot write to the folder" in capsys.readouterr().err
+    assert cli_main(["align", "text", "--student", "gpt9", "--teacher", "qwen2"]) == 2
+    assert cli_main(["align", "text", "--student", "qwen2", "--teacher", "qwen2", "--html", str(tmp_path)]) == 2
+    assert "--html: expected a file name, got the folder" in capsys.readouterr().err

@@ -34,6 +34,8 @@ def readme_text(nb_path=ROOT / "nbs" / "index.ipynb"):
     for cell in nb.cells:
         flags = _directives(cell.source)
         if "hide" in flags or "exporti" in flags: continue
+        if cell.cell_type == "markdown" and flags:  # an exported paragraph (the package docstring): its text only
+            cell.source = "\n".join(l for l in cell.source.splitlines() if not _directive.match(l)).strip("\n")
         if cell.cell_type == "code":
             hidden_source = re.search(r"^\s*#\s*\|\s*echo:\s*false\s*$", cell.source, re.M) is not None
             cell.source = "" if hidden_source else "\n".join(l for l in cell.source.splitlines()
