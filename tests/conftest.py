@@ -3,6 +3,9 @@
 * No hub, ever: `HF_HUB_OFFLINE=1` and the hub download functions are patched to raise, so a loader that tried the
   network would fail loudly instead of silently fetching.
 * Tokenizer and projection caches live under the project's `.cache/` unless `XTOKEN_DP_CACHE` says otherwise.
+* Property tests (hypothesis) draw the same examples on every run, so that a suite that passed passes again; set
+  `XTOKEN_DP_HYPOTHESIS_RANDOM=1` (and `XTOKEN_DP_HYPOTHESIS_EXAMPLES=N` for more examples) to explore new ones.
+  No example database is written.
 """
 import os
 from pathlib import Path
@@ -15,6 +18,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("XTOKEN_DP_CACHE", str(ROOT / ".cache" / "xtoken_dp"))
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("xtoken_dp", derandomize=os.environ.get("XTOKEN_DP_HYPOTHESIS_RANDOM") != "1", database=None)
+settings.load_profile("xtoken_dp")
 
 
 def _refuse_hub(*args, **kwargs):
