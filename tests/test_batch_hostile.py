@@ -18,6 +18,7 @@ not have (it is what padding allocates). Set `XTOKEN_DP_HYPOTHESIS_EXAMPLES` to 
 """
 import json
 import os
+import sys
 import pickle
 import resource
 import tempfile
@@ -29,6 +30,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from json_paths import json_paths
 
 from xtoken_dp.batch import MANIFEST_NAME, BatchClassError, BatchDirectoryError, DataProto, DistillBatch, RewardData
 from xtoken_dp.codec import object_array
@@ -197,14 +201,6 @@ def assert_is_the_files(kind: str, obj, folder: Path, original):
 
 
 # ------------------------------------------------------------------------------------------------- mutations
-def json_paths(node, path=()):
-    "Every path into a JSON document (the root excluded)."
-    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, child in children:
-        yield path + (key,)
-        yield from json_paths(child, path + (key,))
-
-
 def changed_paths(a, b, path=()):
     "The paths where two JSON documents differ."
     if type(a) is not type(b): return [path]

@@ -13,6 +13,8 @@ import copy
 import math
 import os
 import pickle
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from json_paths import json_paths
 
 from xtoken_dp.codec import (MAX_WIRE_COUNT, WireBatch, WireFormatError, decode, encode, materialize, object_array,
                              pack_jagged_fields)
@@ -83,14 +88,6 @@ JUNK = st.one_of(st.integers(-2**70, 2**70), st.sampled_from([0, 1, -1, 2, 10**9
                  st.sampled_from(DTYPE_NAMES), st.binary(max_size=3))
 
 
-def paths(node, prefix=()):
-    "Every (path) into a header: dict keys and list indices, depth first."
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, child in items:
-        yield prefix + (key,)
-        yield from paths(child, prefix + (key,))
-
-
 def parent_of(root, path):
     for key in path[:-1]: root = root[key]
     return root
@@ -104,7 +101,7 @@ def entries(header, part: str) -> list:
 
 def mutate_header(draw, header):
     "One random edit of the header, in place."
-    where = list(paths(header))
+    where = list(json_paths(header))
     if not where: return
     kind = draw(st.sampled_from(["delete", "junk", "nudge", "nudge", "dtype", "duplicate", "group", "swap"]))
     path = draw(st.sampled_from(where))
@@ -245,7 +242,7 @@ def test_property_any_header_value_replaced_by_junk(case, data):
     "Every header entry, one at a time, replaced by junk: WireFormatError or a consistent batch, nothing else."
     td, schema, _ = case
     header, buffers = encode(td, schema=schema)
-    for path in list(paths(header)):
+    for path in list(json_paths(header)):
         bad = copy.deepcopy(header)
         parent_of(bad, path)[path[-1]] = data.draw(JUNK)
         try: back = decode(bad, buffers, allow_pickle=True)

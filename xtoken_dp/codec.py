@@ -36,9 +36,9 @@ from .schema import (DEFAULT_GROUP, FIELD_KINDS, FieldSpec, Layout, Schema, Sche
 __all__ = ['WIRE_FORMAT', 'WIRE_VERSION', 'MAX_WIRE_COUNT', 'MAX_WIRE_DIMS', 'LengthsError', 'PaddingError',
            'StrippedPayloadError', 'WireFormatError', 'to_nested_by_length', 'stack_or_nest',
            'unwrap_wire_stripped_payload', 'maybe_pack_jagged', 'pack_per_token_field', 'object_array', 'object_stack',
-           'pack_jagged_fields', 'response_from_nested', 'object_column', 'materialize', 'cu_seqlens', 'encode',
-           'decode', 'WireBatch', 'wire_nbytes', 'long_tail_lengths', 'synthetic_rl_batch', 'padding_tax_report',
-           'format_padding_tax', 'SchemaError']
+           'pack_jagged_fields', 'response_from_nested', 'object_column', 'materialize', 'cu_seqlens', 'is_wire_dtype',
+           'encode', 'decode', 'WireBatch', 'wire_nbytes', 'long_tail_lengths', 'synthetic_rl_batch',
+           'padding_tax_report', 'format_padding_tax', 'SchemaError']
 
 # %% ../nbs/01_codec.ipynb #0c8cdfae
 _all_ = ["SchemaError"]  # re-exported: every codec error is importable from here
@@ -625,7 +625,7 @@ WIRE_FORMAT, WIRE_VERSION = "xtoken_dp.wire", 1
 _WIRE_DTYPES: dict = {}  # dtype -> whether the codec can carry it (probed once per dtype)
 
 
-def _is_wire_dtype(dtype: torch.dtype) -> bool:
+def is_wire_dtype(dtype: torch.dtype) -> bool:
     "Whether the codec carries `dtype`: it views as bytes and fills with a pad (bool, ints, floats, complex: yes)."
     if dtype not in _WIRE_DTYPES:
         with warnings.catch_warnings():
@@ -710,7 +710,7 @@ def encode(td: TensorDictBase, # a wire batch
         entry = {"name": spec.name, "kind": spec.kind, "buffer": len(buffers), "group": spec.group}
         if spec.kind == "object": buffers.append(_encode_objects(spec.name, leaf, n)); fields.append(entry); continue
         data = values[spec.name] if spec.kind == "token" else leaf
-        if not _is_wire_dtype(data.dtype):
+        if not is_wire_dtype(data.dtype):
             raise TypeError(f"field {spec.name!r}: dtype {dtype_name(data.dtype)} cannot travel on the wire (the codec "
                             f"carries dtypes that view as bytes and fill with a pad: bool, ints, floats, complex)")
         entry.update(dtype=dtype_name(data.dtype), shape=list(data.shape[1:]))
@@ -746,7 +746,7 @@ def _wire_entry(what: str, entry, keys: tuple) -> Mapping:
 def _wire_dtype(what: str, name) -> torch.dtype:
     "The dtype a header names, if the codec carries it."
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or not _is_wire_dtype(dtype):
+    if not isinstance(dtype, torch.dtype) or not is_wire_dtype(dtype):
         _wire_fail(f"{what}: expected the name of a dtype the codec carries (e.g. 'int64', 'bfloat16'), got {name!r}")
     return dtype
 

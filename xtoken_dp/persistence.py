@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping
@@ -27,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .core import check_bool, check_int, dtype_name
 from .schema import AlignmentBatch, Schema, SchemaError, dtype_from_name, make_jagged
-from .codec import WIRE_FORMAT, WIRE_VERSION, decode, encode
+from .codec import MAX_WIRE_COUNT, WIRE_FORMAT, WIRE_VERSION, decode, encode, is_wire_dtype
 from .ragged import is_njt, leaf_dtype, leaf_trailing_shape, map_leaves
 from .dataproto import DataProto
 from .tensorclasses import (DistillBatch, RewardData, TeacherSeq, TokenSeq, build_tensorclass,
@@ -179,12 +178,9 @@ def _check_class(path, manifest: dict, cls: type):
     if held != _saved_name(cls): raise BatchClassError(f"{path} holds a {held}, not a {_saved_name(cls)}")
 
 # %% ../nbs/02c_persistence.ipynb #f1849c4f
-_LARGEST_CLAIM = 2**62  # more bytes or rows than any file holds, and still an int64 when multiplied by 2
-
-
 def _claim_int(where, name: str, value, minimum: int = 0) -> int:
-    "`value` as an int in `[minimum, 2**62]`, else `BatchDirectoryError` naming `where` and `name`."
-    try: return check_int(name, value, minimum=minimum, maximum=_LARGEST_CLAIM)
+    "`value` as an int in `[minimum, MAX_WIRE_COUNT]` (2**62), else `BatchDirectoryError` naming `where` and `name`."
+    try: return check_int(name, value, minimum=minimum, maximum=MAX_WIRE_COUNT)
     except (TypeError, ValueError) as e: _fail(where, str(e))
 
 
@@ -193,23 +189,12 @@ def _claim_str(where, name: str, value) -> str:
     return value
 
 
-_ELEMENT_SIZES: dict = {}
-
-
 def _element_size(where, name: str, dtype_text) -> tuple[torch.dtype, int]:
-    "The dtype a manifest names and its element size; names the codec cannot view bytes as are refused."
+    "The dtype a manifest names and its element size; dtypes the codec cannot view as bytes are refused."
     try: dtype = dtype_from_name(_claim_str(where, name, dtype_text), name)
     except SchemaError as e: _fail(where, str(e))
-    if dtype not in _ELEMENT_SIZES:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                probe = torch.zeros(1, dtype=dtype)
-                size = probe.view(torch.uint8).view(dtype).element_size()
-        except (RuntimeError, TypeError): size = None
-        _ELEMENT_SIZES[dtype] = size
-    if _ELEMENT_SIZES[dtype] is None: _fail(where, f"{name}: dtype {dtype_text!r} is not one a batch directory holds")
-    return dtype, _ELEMENT_SIZES[dtype]
+    if not is_wire_dtype(dtype): _fail(where, f"{name}: dtype {dtype_text!r} is not one a batch directory holds")
+    return dtype, dtype.itemsize
 
 
 def _entry(where, entries, i: int, keys: tuple) -> dict:
@@ -280,7 +265,7 @@ def _check_field(where, manifest: dict, i: int, n: int, groups: dict, files: set
     dtype, itemsize = _element_size(where, f"field {key!r} dtype", f["dtype"])
     shape = _field_shape(where, f, kind, n, groups)
     nbytes, expected = _claim_int(where, f"field {key!r} nbytes", f["nbytes"]), math.prod(shape) * itemsize
-    if nbytes != expected or expected > _LARGEST_CLAIM:
+    if nbytes != expected or expected > MAX_WIRE_COUNT:
         _fail(where, f"field {key!r}: a {dtype_name(dtype)} {list(shape)} holds {expected} bytes, the manifest says {nbytes}")
     return {"key": key, "kind": kind, "dtype": dtype, "shape": shape, "group": f["group"],
             "file": _file_name(where, f["file"], files), "nbytes": nbytes}
