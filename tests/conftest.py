@@ -6,6 +6,8 @@
 * Property tests (hypothesis) draw the same examples on every run, so that a suite that passed passes again; set
   `XTOKEN_DP_HYPOTHESIS_RANDOM=1` (and `XTOKEN_DP_HYPOTHESIS_EXAMPLES=N` for more examples) to explore new ones.
   No example database is written.
+* One local Ray per test session (`ray_session`), started by the first test that asks for it and shut down at the end,
+  so tests in different files share it instead of paying its start-up each.
 """
 import os
 from pathlib import Path
@@ -46,3 +48,14 @@ def _no_hub_downloads():
         pass
     yield
     for mod, name, orig in patched: setattr(mod, name, orig)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    "A local Ray for the whole test session (the first test that needs it starts it; it stops when the session ends)."
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()

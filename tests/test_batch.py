@@ -835,14 +835,6 @@ def test_27_dataloader_workers_deliver_every_row_once(context):
 
 
 # -------------------------------------------------------------------------------------------- 28: Ray
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_28_ray_put_get_is_exact_zero_copy_and_locked(ray_session):
     dp = build(make_rows(200, seed=21), schema=True, meta={"step": 4})
     ref = ray_put(dp)
