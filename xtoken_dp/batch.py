@@ -10,32 +10,40 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/batch.html.md"""
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
-from typing import Mapping
+from pathlib import Path
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
 from fastcore.basics import patch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
+from .core import check_int
 from .schema import Schema, SchemaError, make_jagged
 from .codec import LengthsError, PaddingError, StrippedPayloadError, WireBatch, WireFormatError
 from .ragged import (has_seqlen_cache, is_njt, njt_seqlens, njt_values, ragged_cat, ragged_index,
                               ragged_repeat, ragged_slice)
-from .dataproto import DataProto, DataProtoDataset, DataProtoItem, collate_data_protos
+from .dataproto import (AUTO_PADDING_KEY, DataProto, DataProtoDataset, DataProtoItem, collate_data_protos,
+                                 fold_batch_dim, pad_dataproto_to_divisor, unfold_batch_dim, unpad_dataproto)
 from .tensorclasses import (DistillBatch, RewardData, TeacherSeq, TokenSeq, build_tensorclass,
                                      flatten_tensorclass)
 from .persistence import BATCH_FORMAT, BATCH_VERSION, MANIFEST_NAME, BatchClassError, BatchDirectoryError
 
 # %% auto #0
-__all__ = ['ray_put', 'ray_get', 'transport_probe_worker', 'ragged_slice', 'ragged_index', 'ragged_cat', 'ragged_repeat',
-           'DataProto', 'DataProtoItem', 'DataProtoDataset', 'collate_data_protos', 'RewardData', 'TokenSeq',
-           'TeacherSeq', 'DistillBatch', 'MANIFEST_NAME', 'BATCH_FORMAT', 'BATCH_VERSION', 'BatchDirectoryError',
-           'BatchClassError', 'LengthsError', 'PaddingError', 'SchemaError', 'StrippedPayloadError', 'WireFormatError']
+__all__ = ['ray_put', 'ray_get', 'transport_probe_worker', 'all_gather_data_proto', 'all_gather_probe_worker', 'DataProtoFuture',
+           'ragged_slice', 'ragged_index', 'ragged_cat', 'ragged_repeat', 'DataProto', 'DataProtoItem',
+           'DataProtoDataset', 'collate_data_protos', 'AUTO_PADDING_KEY', 'pad_dataproto_to_divisor', 'unpad_dataproto',
+           'fold_batch_dim', 'unfold_batch_dim', 'RewardData', 'TokenSeq', 'TeacherSeq', 'DistillBatch',
+           'MANIFEST_NAME', 'BATCH_FORMAT', 'BATCH_VERSION', 'BatchDirectoryError', 'BatchClassError', 'LengthsError',
+           'PaddingError', 'SchemaError', 'StrippedPayloadError', 'WireFormatError']
 
 # %% ../nbs/02d_batch.ipynb #84086277
 _all_ = ["ragged_slice", "ragged_index", "ragged_cat", "ragged_repeat", "DataProto", "DataProtoItem",
-         "DataProtoDataset", "collate_data_protos", "RewardData", "TokenSeq", "TeacherSeq", "DistillBatch",
+         "DataProtoDataset", "collate_data_protos", "AUTO_PADDING_KEY", "pad_dataproto_to_divisor", "unpad_dataproto",
+         "fold_batch_dim", "unfold_batch_dim", "RewardData", "TokenSeq", "TeacherSeq", "DistillBatch",
          "MANIFEST_NAME", "BATCH_FORMAT", "BATCH_VERSION", "BatchDirectoryError", "BatchClassError",
          "LengthsError", "PaddingError", "SchemaError", "StrippedPayloadError", "WireFormatError"]
 
@@ -172,3 +180,86 @@ def transport_probe_worker(inbox, # a multiprocessing queue of objects; None sto
                           ):
     "Spawn target: send back every object received with `_describe_received` of it, until None arrives."
     while (obj := inbox.get()) is not None: outbox.put((obj, _describe_received(obj)))
+
+# %% ../nbs/02d_batch.ipynb #a8b493be
+def all_gather_data_proto(data: DataProto, # this rank's batch; replaced in place by every rank's rows
+                          process_group=None, # a `torch.distributed` group (None: the default group)
+                         ) -> DataProto:
+    "Replace `data`'s rows by those of every rank in rank order (in place) and return it; ranks may differ in rows and tokens and jagged fields travel as they are (verl gathers equal-shape padded tensors and returns None)."
+    import torch.distributed as dist
+    if not isinstance(data, DataProto): raise TypeError(f"data must be a DataProto, got {type(data).__name__}")
+    device = _batch_device(data.batch)
+    local = data.select(meta_info_keys=[])
+    if device is not None: local.to("cpu")
+    parts = [None] * dist.get_world_size(group=process_group)
+    dist.all_gather_object(parts, local, group=process_group)
+    gathered = DataProto.concat(parts)
+    if device is not None: gathered.to(device)
+    data.batch, data.non_tensor_batch = gathered.batch, gathered.non_tensor_batch
+    return data
+
+
+def all_gather_probe_worker(rank: int, # this process's rank (`torch.multiprocessing.spawn` passes it)
+                            world_size: int, # processes in the group
+                            init_method: str, # a `torch.distributed` rendezvous, e.g. "file:///tmp/x"
+                            parts: list, # one DataProto per rank
+                            out_dir: str, # where `rank{rank}.pkl` goes
+                           ):
+    "Spawn target: join a gloo group, all-gather `parts[rank]` over a new group of all ranks, pickle the result to `out_dir`."
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        data = parts[rank]
+        out = all_gather_data_proto(data, dist.new_group(list(range(world_size))))
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump({"same_object": out is data, "data": out, "seen": _describe_received(out)}, f)
+    finally: dist.destroy_process_group()
+
+# %% ../nbs/02d_batch.ipynb #488a107f
+def _chunk_part(data: DataProto, index: int, chunks: int) -> DataProto:
+    "Part `index` of `data.chunk(chunks)` (a module function, so that a future pickles)."
+    return data.chunk(chunks)[index]
+
+
+def _then(data, first, second):
+    "`second(first(data))`: dispatch functions applied in turn."
+    return second(first(data))
+
+
+@dataclass
+class DataProtoFuture:
+    "A DataProto still in Ray's object store: `get()` fetches `futures`, combines them with `collect_fn` and picks a part with `dispatch_fn`."
+    collect_fn: Callable  # list of fetched DataProtos -> one DataProto (e.g. DataProto.concat)
+    futures: list  # Ray ObjectRefs, each holding a DataProto
+    dispatch_fn: Callable | None = None  # DataProto -> the part this future stands for (None: all of it)
+
+    def __post_init__(self):
+        if not callable(self.collect_fn): raise TypeError(f"collect_fn must be callable, got {self.collect_fn!r}")
+        if not isinstance(self.futures, (list, tuple)):
+            raise TypeError(f"futures must be a list of Ray ObjectRefs, got {type(self.futures).__name__}")
+        if self.dispatch_fn is not None and not callable(self.dispatch_fn):
+            raise TypeError(f"dispatch_fn must be callable or None, got {self.dispatch_fn!r}")
+        self.futures = list(self.futures)
+
+    @staticmethod
+    def concat(data: list # Ray ObjectRefs of DataProtos, in row order
+              ) -> DataProtoFuture:
+        "A future of the refs' `DataProto.concat`."
+        return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
+
+    def chunk(self, chunks: int # number of equal parts, >= 1
+             ) -> list[DataProtoFuture]:
+        "`chunks` futures, the i-th yielding part i of `get().chunk(chunks)`; a chunk of a chunk narrows it (verl's replaces the first dispatch)."
+        chunks = check_int("chunks", chunks, minimum=1)
+        parts = [partial(_chunk_part, index=i, chunks=chunks) for i in range(chunks)]
+        if self.dispatch_fn is not None: parts = [partial(_then, first=self.dispatch_fn, second=p) for p in parts]
+        return [DataProtoFuture(self.collect_fn, self.futures, p) for p in parts]
+
+    def get(self) -> DataProto:
+        "Fetch the refs, combine, pick the part; a ref that holds no DataProto raises `TypeError` naming it (verl asserts)."
+        fetched = ray_get(self.futures)
+        for i, value in enumerate(fetched):
+            if not isinstance(value, DataProto):
+                raise TypeError(f"future {i} holds a {type(value).__name__}, not a DataProto")
+        out = self.collect_fn(fetched)
+        return self.dispatch_fn(out) if self.dispatch_fn is not None else out

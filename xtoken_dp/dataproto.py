@@ -1,6 +1,6 @@
 """verl's batch container, jagged-native: a TensorDict whose token fields share one offsets tensor per group, numpy columns and meta info, with every row operation done once per group.
 
-`DataProto`, verl's batch protocol, jagged-native: a TensorDict of columns, object columns and meta info, with rows, selection, concatenation, splitting and devices.
+`DataProto`, verl's batch protocol, jagged-native: a TensorDict of columns, object columns and meta info, with rows, selection, concatenation, splitting and devices, plus the rest of verl's surface (popping and renaming columns, padding to a divisor, per-sample repeats, folding rows, a TensorDict round trip, inspection).
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/dataproto.html.md"""
 
@@ -20,14 +20,16 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
-from .core import check_int, dtype_name
-from .schema import DEFAULT_GROUP, FieldSpec, Schema, SchemaError, as_words, compact_jagged, make_jagged, same_offsets
+from .core import check_bool, check_int, dtype_name
+from .schema import (DEFAULT_GROUP, FieldSpec, Schema, SchemaError, as_words, compact_jagged, lengths_to_offsets,
+                              make_jagged, same_offsets)
 from .codec import LengthsError, materialize, object_column, object_stack, pack_jagged_fields
 from .ragged import (has_seqlen_cache, is_njt, leaf_dtype, leaf_trailing_shape, map_leaves, njt_seqlens,
                               njt_values, ragged_cat, ragged_gather, ragged_parts, rows_mismatch)
 
 # %% auto #0
-__all__ = ['DataProto', 'DataProtoItem', 'tensor_equal', 'collate_data_protos', 'DataProtoDataset']
+__all__ = ['AUTO_PADDING_KEY', 'DataProto', 'DataProtoItem', 'tensor_equal', 'collate_data_protos', 'DataProtoDataset',
+           'pad_dataproto_to_divisor', 'unpad_dataproto', 'fold_batch_dim', 'unfold_batch_dim']
 
 # %% ../nbs/02a_dataproto.ipynb #99ddd29b
 def _check_leaf_type(key: str, leaf):
@@ -717,7 +719,7 @@ def split(self: DataProto, split_size # rows per part (the last may be shorter),
 def repeat(self: DataProto, repeat_times: int = 2, # copies of each row, >= 1
            interleave: bool = True, # True: row i repeated in place; False: the whole batch tiled
           ) -> DataProto:
-    "A copy with every row repeated `repeat_times` times (jagged-aware)."
+    "A copy with every row repeated `repeat_times` times; jagged fields work (verl's fails on them under tensordict 0.15.3) and `repeat_times < 1` raises `ValueError`."
     repeat_times = check_int("repeat_times", repeat_times, minimum=1)
     rows = torch.arange(len(self))
     rows = rows.repeat_interleave(repeat_times) if interleave else rows.repeat(repeat_times)
@@ -802,36 +804,43 @@ def pin_memory(self: DataProto) -> DataProto:
     return type(self)._make(batch, dict(self.non_tensor_batch), dict(self.meta_info), self.schema)
 
 # %% ../nbs/02a_dataproto.ipynb #ebec8106
+AUTO_PADDING_KEY = "_verl_auto_padding"  # the meta_info flag of auto-padding (verl's key, so the flag survives a hand-over)
+
+
 @patch(cls_method=True)
 def from_dict(cls: DataProto, tensors: Mapping, # column name -> tensor (padded `(N, S, ...)`, NJT or dense)
               non_tensors: Mapping | None = None, # column name -> np.ndarray with N rows
               meta_info: dict | None = None, # free-form meta info
               *, schema: Schema | None = None, # declares kinds, dtypes and groups of the columns
               lengths=None, # `(N,)` lengths (one group) or Mapping[group, lengths]: which padded columns to cut
+              auto_padding: bool = False, # set `meta_info[AUTO_PADDING_KEY]` (see `is_padding_enabled`)
              ) -> DataProto:
-    "A DataProto from columns, packed into the wire layout by `codec.pack_jagged_fields`."
+    "A DataProto from columns, packed into the wire layout by `codec.pack_jagged_fields`; `auto_padding` sets the flag in a copy of `meta_info` (verl writes it into the caller's dict)."
     if not isinstance(tensors, Mapping): raise TypeError(f"tensors must be a Mapping, got {type(tensors).__name__}")
     batch = None
     if tensors:
         tensor_schema = None if schema is None else _restrict(schema, {s.name for s in schema if s.kind != "object"})
         batch = pack_jagged_fields(tensors, lengths=lengths, schema=tensor_schema)
     elif lengths is not None: raise ValueError("lengths were given but there are no tensors to pack")
-    return cls(batch, dict(non_tensors or {}), {} if meta_info is None else meta_info, schema=schema)
+    meta = {} if meta_info is None else meta_info
+    if check_bool("auto_padding", auto_padding): meta = {**meta, AUTO_PADDING_KEY: True}
+    return cls(batch, dict(non_tensors or {}), meta, schema=schema)
 
 
 @patch(cls_method=True)
 def from_single_dict(cls: DataProto, data: Mapping, # tensors and np.ndarrays, mixed
                      meta_info: dict | None = None, # free-form meta info
+                     auto_padding: bool = False, # as for `from_dict`
                      *, schema: Schema | None = None, # as for `from_dict`
                      lengths=None, # as for `from_dict`
                     ) -> DataProto:
-    "`from_dict` after splitting `data` into tensors and numpy columns (anything else raises `TypeError`)."
+    "`from_dict` after splitting `data` into tensors and numpy columns; any other value raises `TypeError` (verl raises `ValueError`: it is the value's type that is wrong)."
     tensors, columns = {}, {}
     for key, value in data.items():
         if isinstance(value, torch.Tensor): tensors[key] = value
         elif isinstance(value, np.ndarray): columns[key] = value
         else: raise TypeError(f"data[{key!r}] must be a torch.Tensor or np.ndarray, got {type(value).__name__}")
-    return cls.from_dict(tensors, columns, meta_info, schema=schema, lengths=lengths)
+    return cls.from_dict(tensors, columns, meta_info, schema=schema, lengths=lengths, auto_padding=auto_padding)
 
 # %% ../nbs/02a_dataproto.ipynb #cb4e036f
 @patch
@@ -875,3 +884,405 @@ def materialize(self: DataProto, layout: str = "padded", # "padded" rectangles, 
                ) -> dict:
     "`codec.materialize` of the wire batch: a plain dict of padded tensors, dense tensors and object arrays."
     return materialize(self.to_wire(), layout, pad_value_dict, pad_to_seqlen, schema=self._wire_schema())
+
+# %% ../nbs/02a_dataproto.ipynb #0b3bcfe5
+def _key_list(name: str, keys) -> list[str]:
+    "`keys` as a list of str (one str is a list of one); None or anything else raises `TypeError` naming `name`."
+    if isinstance(keys, str): return [keys]
+    if isinstance(keys, (list, tuple)) and all(isinstance(k, str) for k in keys): return list(keys)
+    raise TypeError(f"{name} must be a str or a list of str, got {keys!r}")
+
+
+@patch
+def pop(self: DataProto, batch_keys=None, # tensor columns to take out (None: none)
+        non_tensor_batch_keys=None, # numpy columns to take out (None: none)
+        meta_info_keys=None, # meta_info keys to take out (None: none)
+       ) -> DataProto:
+    "Remove the named columns from self and return them as a DataProto; a missing key raises `KeyError` before anything is removed (verl asserts key by key and leaves a half-popped batch)."
+    batch_keys, column_keys, meta_keys = (list(k or []) for k in (batch_keys, non_tensor_batch_keys, meta_info_keys))
+    have = list(self.batch.keys()) if self.batch is not None else []
+    _missing("batch", batch_keys, have)
+    _missing("non_tensor_batch", column_keys, self.non_tensor_batch)
+    _missing("meta_info", meta_keys, self.meta_info)
+    part = self.select(batch_keys, column_keys, meta_keys)
+    popped = type(self)._make(part.batch if batch_keys else None, part.non_tensor_batch, part.meta_info, part.schema)
+    if batch_keys:
+        self.batch = _new_td({k: self.batch.get(k) for k in have if k not in batch_keys}, len(self), self.batch)
+    self.non_tensor_batch = {k: v for k, v in self.non_tensor_batch.items() if k not in column_keys}
+    for key in meta_keys: del self.meta_info[key]
+    self.schema = _restrict(self.schema, set(have) - set(batch_keys) | set(self.non_tensor_batch))
+    return popped
+
+
+@patch
+def rename(self: DataProto, old_keys=None, # a tensor column name, or a list of them
+           new_keys=None, # their new names, in the same order
+          ) -> DataProto:
+    "Rename tensor columns in place and return self; a missing key, a repeated name or a name already taken raises before anything changes (verl leaves clashes to tensordict)."
+    old, new = _key_list("old_keys", old_keys), _key_list("new_keys", new_keys)
+    if len(old) != len(new):
+        raise ValueError(f"rename: old_keys and new_keys must have the same length, got {len(old)} and {len(new)}")
+    have = list(self.batch.keys()) if self.batch is not None else []
+    _missing("batch", old, have)
+    mapping = dict(zip(old, new))
+    names = [mapping.get(k, k) for k in have]
+    taken = sorted({k for k in names if names.count(k) > 1 or k in self.non_tensor_batch})
+    if len(mapping) != len(old) or taken:
+        raise ValueError(f"rename: the new names must be distinct and free, got {new} (clashing: {taken or old})")
+    if not old: return self
+    self.batch = _new_td({mapping.get(k, k): self.batch.get(k) for k in have}, len(self), self.batch)
+    if self.schema is not None:
+        self.schema = Schema(dataclasses.replace(s, name=mapping[s.name]) if s.name in mapping else s for s in self.schema)
+    return self
+
+# %% ../nbs/02a_dataproto.ipynb #5df0e4c3
+@patch
+def select_idxs(self: DataProto, idxs # a bool mask of length N, or int indices (tensor, ndarray or list)
+               ) -> DataProto:
+    "The rows `idxs` as a gathered copy (`dp[idxs]`); a wrong mask length or row raises `IndexError` (verl hands them to tensordict, whose indexing fails on jagged fields)."
+    if _is_int_key(idxs) or isinstance(idxs, slice):
+        raise TypeError(f"select_idxs takes a bool mask or int indices, got {idxs!r}; use dp[i] or dp.slice(...)")
+    return self._gather(_gather_rows(idxs, len(self)))
+
+
+@patch
+def slice(self: DataProto, start: int | None = None, # first row (None: 0; negatives count from the end)
+          end: int | None = None, # one past the last row (None: N)
+          step: int | None = None, # row step (None: 1)
+         ) -> DataProto:
+    "`dp[start:end:step]`: a view for step 1, a gathered copy otherwise; bounds that are not ints raise `TypeError` (verl passes any value to tensordict)."
+    for name, value in (("start", start), ("end", end)): check_int(name, value, optional=True)
+    if step is not None and check_int("step", step) == 0: raise ValueError("slice: step must not be 0, got 0")
+    return self[slice(start, end, step)]
+
+
+@patch
+def reorder(self: DataProto, indices # a permutation of range(N): int tensor, ndarray or list
+           ) -> None:
+    "Put the rows in the order `indices` in place; indices that are not a permutation of the rows raise `ValueError` (verl would silently drop or repeat rows)."
+    if isinstance(indices, torch.Tensor) and indices.dtype == torch.bool or \
+            isinstance(indices, np.ndarray) and indices.dtype == np.bool_:
+        raise TypeError("reorder takes a permutation of the row numbers, got a bool mask (use select_idxs)")
+    n = len(self)
+    rows = _gather_rows(indices, n)
+    if rows.numel() != n or not torch.equal(rows.sort().values, torch.arange(n, device=rows.device)):
+        raise ValueError(f"reorder: indices must be a permutation of range({n}), got {rows.tolist()[:8]}"
+                         f"{'...' if rows.numel() > 8 else ''}")
+    ordered = self._gather(rows)
+    self.batch, self.non_tensor_batch = ordered.batch, ordered.non_tensor_batch
+
+# %% ../nbs/02a_dataproto.ipynb #d2c98b8e
+def _joined(first: DataProto, parts: list) -> DataProto:
+    "The rows of `parts` concatenated, with `first`'s meta_info (a shallow copy)."
+    joined = DataProto.concat([type(p)._make(p.batch, p.non_tensor_batch, {}, p.schema) for p in parts])
+    joined.meta_info = dict(first.meta_info)
+    return joined
+
+
+@patch
+def is_padding_enabled(self: DataProto) -> bool:
+    "True when `meta_info[AUTO_PADDING_KEY]` is set; unlike verl there is no process-wide switch or environment variable, so the flag travels with the batch and nothing else."
+    return bool(self.meta_info.get(AUTO_PADDING_KEY, False))
+
+
+@patch
+def padding(self: DataProto, padding_size: int, # rows to append, >= 0
+            padding_candidate: str = "", # the row copied: "first", or "last" ("" means "last")
+           ) -> None:
+    "Append `padding_size` copies of the last (or first) row in place; other candidates and an empty batch raise `ValueError` (verl reads any other string as the last row and fails on an empty batch with an IndexError)."
+    padding_size = check_int("padding_size", padding_size, minimum=0)
+    if padding_candidate not in ("", "first", "last"):
+        raise ValueError(f"padding_candidate must be 'first', 'last' or '', got {padding_candidate!r}")
+    if padding_size == 0: return
+    n = len(self)
+    if n == 0: raise ValueError(f"padding: an empty batch has no row to copy (padding_size={padding_size})")
+    row = 0 if padding_candidate == "first" else n - 1
+    padded = _joined(self, [self, self._gather(torch.full((padding_size,), row, dtype=torch.int64))])
+    self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+
+
+def pad_dataproto_to_divisor(data: DataProto, # the batch to pad
+                             size_divisor: int, # the padded length must be a multiple of this, >= 1
+                            ) -> tuple[DataProto, int]:
+    "`(padded, pad_size)`: `data` followed by its own first rows, cycled, up to a multiple of `size_divisor` (`data` itself when none are needed, an empty batch included); bad arguments raise typed errors where verl asserts."
+    if not isinstance(data, DataProto): raise TypeError(f"data must be a DataProto, got {type(data).__name__}")
+    size_divisor = check_int("size_divisor", size_divisor, minimum=1)
+    n = len(data)
+    pad_size = -n % size_divisor
+    if pad_size == 0: return data, 0
+    return _joined(data, [data, data._gather(torch.arange(pad_size) % n)]), pad_size
+
+
+def unpad_dataproto(data: DataProto, # a batch returned by `pad_dataproto_to_divisor` (or computed from one)
+                    pad_size: int, # the rows that were added, 0 <= pad_size <= N
+                   ) -> DataProto:
+    "`data` without its last `pad_size` rows (a view); a pad_size outside `[0, N]` raises `ValueError` (verl's `data[:-pad_size]` silently returns the wrong rows)."
+    if not isinstance(data, DataProto): raise TypeError(f"data must be a DataProto, got {type(data).__name__}")
+    pad_size = check_int("pad_size", pad_size, minimum=0, maximum=len(data))
+    return data if pad_size == 0 else data[:len(data) - pad_size]
+
+# %% ../nbs/02a_dataproto.ipynb #f3748a8f
+def _repeat_counts(repeat_times, n: int) -> torch.Tensor:
+    "Per-row repeat counts as int64 `(N,)`, every one >= 0; other types raise `TypeError`, other shapes `ValueError`."
+    if isinstance(repeat_times, np.ndarray):
+        if repeat_times.dtype.kind not in "iu": raise TypeError(f"repeat_times must hold ints, got dtype {repeat_times.dtype}")
+        repeat_times = torch.from_numpy(repeat_times.astype(np.int64))
+    elif isinstance(repeat_times, (list, tuple)):
+        if not all(isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_)) for c in repeat_times):
+            raise TypeError(f"repeat_times must hold ints, got {list(repeat_times)[:8]}")
+        repeat_times = torch.tensor(list(repeat_times), dtype=torch.int64)
+    elif not isinstance(repeat_times, torch.Tensor):
+        raise TypeError(f"repeat_times must be a list, tuple, ndarray or tensor of ints, got {type(repeat_times).__name__}")
+    if repeat_times.dtype == torch.bool or repeat_times.is_floating_point() or repeat_times.is_complex():
+        raise TypeError(f"repeat_times must hold ints, got dtype {dtype_name(repeat_times.dtype)}")
+    if tuple(repeat_times.shape) != (n,):
+        raise ValueError(f"repeat_times must hold one count per row, shape ({n},), got {tuple(repeat_times.shape)}")
+    counts = repeat_times.to(torch.int64).cpu()
+    if n and int(counts.min()) < 0: raise ValueError(f"repeat_times must be >= 0, got {int(counts.min())}")
+    return counts
+
+
+@patch
+def sample_level_repeat(self: DataProto, repeat_times # one count per row, >= 0 (list, tuple, ndarray or tensor)
+                       ) -> DataProto:
+    "A copy with row i repeated `repeat_times[i]` times, in row order (jagged-aware); counts of the wrong type, length or sign raise typed errors where verl asserts or lets torch fail."
+    counts = _repeat_counts(repeat_times, len(self))
+    return self._gather(torch.arange(len(self)).repeat_interleave(counts))
+
+# %% ../nbs/02a_dataproto.ipynb #b35a7e2c
+def _split_leaf(key: str, leaf: torch.Tensor, n_split: int, plans: dict) -> torch.Tensor:
+    "Each row of `leaf` cut into `n_split` equal parts along dim 1, each part a row (values not copied)."
+    if not is_njt(leaf):
+        if leaf.dim() < 2 or leaf.shape[1] % n_split:
+            raise ValueError(f"unfold_column_chunks: {key!r} must be (N, S, ...) with S divisible by n_split={n_split}, "
+                             f"got shape {tuple(leaf.shape)}")
+        return leaf.reshape(leaf.shape[0] * n_split, leaf.shape[1] // n_split, *leaf.shape[2:])
+    off = leaf.offsets()
+    if id(off) not in plans:
+        lengths = off.diff()
+        bad = (lengths % n_split).nonzero()
+        if bad.numel():
+            row = int(bad[0, 0])
+            raise ValueError(f"unfold_column_chunks: row {row} of {key!r} holds {int(lengths[row])} tokens, not a "
+                             f"multiple of n_split={n_split}")
+        lo, hi = njt_seqlens(leaf)
+        plans[id(off)] = (lengths_to_offsets((lengths // n_split).repeat_interleave(n_split)), lo // n_split, hi // n_split)
+    new_off, lo, hi = plans[id(off)]
+    return _jagged(njt_values(leaf), new_off, lo, hi)
+
+
+def _split_column(key: str, column: np.ndarray, n_split: int) -> np.ndarray:
+    "An object column `(N, S, ...)` cut like `_split_leaf` cuts a dense tensor."
+    if column.ndim < 2 or column.shape[1] % n_split:
+        raise ValueError(f"unfold_column_chunks: {key!r} must be (N, S, ...) with S divisible by n_split={n_split}, "
+                         f"got shape {column.shape}")
+    return column.reshape(column.shape[0] * n_split, column.shape[1] // n_split, *column.shape[2:])
+
+
+def _check_split_keys(dp: DataProto, split: list[str]):
+    "Every split key exists, and a jagged field is cut only with all the fields of its group."
+    have = (list(dp.batch.keys()) if dp.batch is not None else []) + list(dp.non_tensor_batch)
+    _missing("split", split, have)
+    for g in dp._groups():
+        inside = [k for k in g.keys if k in split]
+        if inside and len(inside) != len(g.keys):
+            raise ValueError(f"unfold_column_chunks: fields {list(g.keys)} share their rows, so they are cut together; "
+                             f"split_keys names only {inside}")
+
+
+def _split_schema(schema: Schema | None, split: list[str], n_split: int) -> Schema | None:
+    "The schema after cutting: a cut rect field's declared trailing shape loses a factor n_split in its first dim."
+    if schema is None: return None
+    cut = lambda s: dataclasses.replace(s, trailing_shape=(s.trailing_shape[0] // n_split, *s.trailing_shape[1:]))
+    return Schema(cut(s) if s.name in split and s.kind == "rect" and s.trailing_shape else s for s in schema)
+
+
+@patch
+def unfold_column_chunks(self: DataProto, n_split: int, # parts per row, >= 1
+                         split_keys=None, # columns cut along dim 1 (None: none); the others are repeated
+                        ) -> DataProto:
+    "N rows -> N * n_split rows: the `split_keys` columns cut into equal parts along dim 1, the others repeated; uneven cuts raise `ValueError` (verl's `split_keys=None` fails on object columns, and it cannot cut jagged fields)."
+    n_split = check_int("n_split", n_split, minimum=1)
+    split = [] if split_keys is None else _key_list("split_keys", split_keys)
+    _check_split_keys(self, split)
+    keys = list(self.batch.keys()) if self.batch is not None else []
+    rest = self.select([k for k in keys if k not in split], [k for k in self.non_tensor_batch if k not in split])
+    rest = rest._gather(torch.arange(len(self)).repeat_interleave(n_split))
+    plans, n = {}, len(self) * n_split
+    leaves = {k: _split_leaf(k, self.batch.get(k), n_split, plans) if k in split else rest.batch.get(k) for k in keys}
+    columns = {k: _split_column(k, v, n_split) if k in split else rest.non_tensor_batch[k]
+               for k, v in self.non_tensor_batch.items()}
+    batch = None if self.batch is None else _new_td(leaves, n, self.batch)
+    return type(self)._make(batch, columns, dict(self.meta_info), _split_schema(self.schema, split, n_split))
+
+# %% ../nbs/02a_dataproto.ipynb #94328e8b
+def _refuse_jagged(data: DataProto, what: str):
+    "`ValueError` naming the jagged fields, which cannot gain a second row dim."
+    jagged = [k for k in data.batch.keys() if is_njt(data.batch.get(k))] if data.batch is not None else []
+    if jagged:
+        raise ValueError(f"{what}: jagged fields {jagged} cannot be folded (rows of rows need two ragged dims; torch's "
+                         f"jagged layout has one): select them out first, or materialize them padded")
+
+
+def _fold_schema(schema: Schema | None, m: int) -> Schema | None:
+    "Specs after folding m rows into one: sample -> rect (m,), rect (*t) -> rect (m, *t); others unchanged."
+    if schema is None: return None
+    def fold(s):
+        if s.kind == "sample": return dataclasses.replace(s, kind="rect", trailing_shape=(m,))
+        if s.kind == "rect" and s.trailing_shape is not None: return dataclasses.replace(s, trailing_shape=(m, *s.trailing_shape))
+        return s
+    return Schema(fold(s) for s in schema)
+
+
+def _unfold_schema(schema: Schema | None, k: int) -> Schema | None:
+    "Specs after unfolding k inner row dims: a declared rect loses k leading dims, and becomes sample when none is left."
+    if schema is None or k == 0: return schema
+    def unfold(s):
+        if s.kind != "rect" or s.trailing_shape is None: return s
+        rest = s.trailing_shape[k:]
+        return dataclasses.replace(s, kind="sample", trailing_shape=None) if rest == () else \
+            dataclasses.replace(s, trailing_shape=rest)
+    return Schema(unfold(s) for s in schema)
+
+
+def _columns_of(data: DataProto) -> dict:
+    "Every column of `data`, tensors then numpy arrays."
+    return {**(dict(data.batch.items()) if data.batch is not None else {}), **data.non_tensor_batch}
+
+
+def _reshaped(data: DataProto, rows: int, shape_of, schema: Schema | None) -> DataProto:
+    "`data` with every column reshaped to `shape_of(column)` and `rows` rows."
+    batch = None
+    if data.batch is not None:
+        batch = _new_td({k: v.reshape(shape_of(v)) for k, v in data.batch.items()}, rows, data.batch)
+    columns = {k: v.reshape(shape_of(v)) for k, v in data.non_tensor_batch.items()}
+    return type(data)._make(batch, columns, dict(data.meta_info), schema)
+
+
+def fold_batch_dim(data: DataProto, # a batch without jagged fields
+                   new_batch_size: int, # B, dividing N
+                  ) -> DataProto:
+    "B rows of N/B consecutive rows each: every `(N, ...)` column becomes `(B, N/B, ...)` (a view); N % B and jagged fields raise `ValueError` (verl asserts the first and fails inside tensordict on the second)."
+    if not isinstance(data, DataProto): raise TypeError(f"data must be a DataProto, got {type(data).__name__}")
+    b = check_int("new_batch_size", new_batch_size, minimum=1)
+    n = len(data)
+    if n % b: raise ValueError(f"fold_batch_dim: N={n} rows do not fold into new_batch_size={b} equal rows")
+    _refuse_jagged(data, "fold_batch_dim")
+    m = n // b
+    return _reshaped(data, b, lambda v: (b, m, *v.shape[1:]), _fold_schema(data.schema, m))
+
+
+def unfold_batch_dim(data: DataProto, # a batch whose columns share their leading dims
+                     batch_dims: int = 2, # leading dims that become the row dim, >= 1
+                    ) -> DataProto:
+    "The inverse of `fold_batch_dim`: the first `batch_dims` dims of every column become the row dim; columns whose inner dims disagree raise `ValueError` naming the first (verl leaves them to tensordict and numpy)."
+    if not isinstance(data, DataProto): raise TypeError(f"data must be a DataProto, got {type(data).__name__}")
+    batch_dims = check_int("batch_dims", batch_dims, minimum=1)
+    if batch_dims > 1: _refuse_jagged(data, "unfold_batch_dim")
+    inner, first = None, None
+    for key, value in _columns_of(data).items():
+        shape = tuple(value.shape)
+        if len(shape) < batch_dims:
+            raise ValueError(f"unfold_batch_dim: {key!r} has shape {shape}, fewer than batch_dims={batch_dims} dims")
+        if inner is None: inner, first = shape[1:batch_dims], key
+        elif shape[1:batch_dims] != inner:
+            raise ValueError(f"unfold_batch_dim: {key!r} has inner dims {shape[1:batch_dims]}, {first!r} has {inner}")
+    rows = len(data) * int(np.prod(inner or ()))
+    return _reshaped(data, rows, lambda v: (rows, *v.shape[batch_dims:]), _unfold_schema(data.schema, batch_dims - 1))
+
+# %% ../nbs/02a_dataproto.ipynb #08d86996
+@patch
+def to_tensordict(self: DataProto) -> TensorDict:
+    "One TensorDict: tensors (jagged kept, not copied), object columns as `NonTensorStack`, meta_info entries as `NonTensorData`; a meta_info key that names a column raises `ValueError` (verl asserts only on tensor/object clashes)."
+    td = self.to_wire()
+    if td.is_locked: td.unlock_()  # a new container: unlocking it leaves self.batch locked
+    for key, value in self.meta_info.items():
+        if not isinstance(key, str): raise TypeError(f"to_tensordict: meta_info keys must be str, got {key!r}")
+        if key in td.keys(): raise ValueError(f"to_tensordict: meta_info key {key!r} is also a column name")
+        td.set_non_tensor(key, value)
+    return td
+
+
+@patch(cls_method=True)
+def from_tensordict(cls: DataProto, td: TensorDictBase, # batch_size [N]: tensors, NonTensorStack columns, NonTensorData meta
+                    non_tensor_dict: Mapping | None = None, # more object columns: name -> np.ndarray with N rows
+                    meta_info: dict | None = None, # more meta_info entries
+                    *, schema: Schema | None = None, # the columns' schema, if known
+                   ) -> DataProto:
+    "A DataProto of one TensorDict: tensors to `batch` (jagged kept, not copied), `NonTensorStack` leaves to object columns, `NonTensorData` leaves to meta_info; a name given twice raises `ValueError` (verl overwrites silently)."
+    if not isinstance(td, TensorDictBase) or td.batch_dims != 1:
+        raise TypeError(f"td must be a TensorDict with batch_size [N], got {type(td).__name__}")
+    n, tensors, columns, meta = td.batch_size[0], {}, {}, {}
+    for key in td.keys():
+        leaf = td.get(key)
+        if isinstance(leaf, NonTensorStack): columns[key] = object_column(key, leaf, n, "raise")
+        elif isinstance(leaf, NonTensorData): meta[key] = leaf.data
+        else: tensors[key] = leaf
+    extra, extra_meta = dict(non_tensor_dict or {}), dict(meta_info or {})
+    twice = [k for k in extra if k in tensors or k in columns] + [k for k in extra_meta if k in meta]
+    if twice: raise ValueError(f"from_tensordict: {twice} are given twice (in td and as an argument)")
+    batch = None if not tensors and (columns or extra or n == 0) else _new_td(tensors, n, td)
+    return cls(batch, {**columns, **extra}, {**meta, **extra_meta}, schema=schema)
+
+# %% ../nbs/02a_dataproto.ipynb #1da879e5
+def _type_info(value) -> str:
+    "A short type description, nested for lists, tuples, dicts and arrays."
+    if isinstance(value, list): return f"list[{'|'.join(sorted({_type_info(v) for v in value[:3]})) or '...'}]"
+    if isinstance(value, tuple): return f"tuple({', '.join(_type_info(v) for v in value)})"
+    if isinstance(value, dict):
+        if not value: return "dict"
+        key, item = next(iter(value.items()))
+        return f"dict[{_type_info(key)}: {_type_info(item)}]"
+    if isinstance(value, np.ndarray): return f"ndarray{value.shape} ({value.dtype})"
+    if isinstance(value, torch.Tensor): return f"tensor{tuple(value.shape)} ({dtype_name(value.dtype)})"
+    return type(value).__name__
+
+
+def _leaf_info(key: str, leaf: torch.Tensor, group: str | None) -> str:
+    if not is_njt(leaf): return f"  {key}: {tuple(leaf.shape)} ({dtype_name(leaf.dtype)}) {leaf.device}"
+    values = njt_values(leaf)
+    shape = ", ".join(str(d) for d in (leaf.shape[0], "j", *values.shape[1:]))
+    return f"  {key}: jagged ({shape}) ({dtype_name(values.dtype)}) {values.device}, group {group!r}, {values.shape[0]} tokens"
+
+
+@patch
+def get_data_info(self: DataProto) -> str:
+    "A text summary of the columns, object columns and meta_info types; jagged fields show `j`, their group and token count, and a batch without tensors works (verl's fails on `batch=None`)."
+    group_of = {k: g.name for g in self._groups() for k in g.keys}
+    info = ["batch"] + ([_leaf_info(k, self.batch.get(k), group_of.get(k)) for k in self.batch.keys()]
+                        if self.batch is not None else ["  (none)"])
+    info.append("non_tensor_batch")
+    for key, column in self.non_tensor_batch.items():
+        kinds = f" of {'|'.join(sorted({type(x).__name__ for x in column.ravel()[:16]}))}" if column.dtype == object and column.size else ""
+        info.append(f"  {key}: ndarray{column.shape} ({column.dtype}){kinds}")
+    info.append("meta_info")
+    info += [f"  {k}: {_type_info(v)}" for k, v in self.meta_info.items()]
+    return "\n".join(info)
+
+
+def _tensor_bytes(dp: DataProto) -> int:
+    "Bytes of the batch's tensors: dense leaves, jagged values, and each group's offsets once."
+    if dp.batch is None: return 0
+    total = sum(g.offsets.numel() * g.offsets.element_size() for g in dp._groups())
+    for key in dp.batch.keys():
+        leaf = dp.batch.get(key)
+        data = njt_values(leaf) if is_njt(leaf) else leaf
+        total += data.numel() * data.element_size()
+    return total
+
+
+@patch
+def print_size(self: DataProto, prefix: str = "", # printed first, followed by a comma
+              ) -> tuple[int, int]:
+    "Print the size of the tensors and of the numpy columns in GB, and return both in bytes; jagged fields count values plus their group's offsets (verl's numel-based count does not apply to jagged tensors, and verl returns nothing)."
+    tensor_bytes = _tensor_bytes(self)
+    numpy_bytes = sum(column.nbytes for column in self.non_tensor_batch.values())  # object arrays: the references
+    message = f"Size of tensordict: {tensor_bytes / 1024**3} GB, size of non_tensor_batch: {numpy_bytes / 1024**3} GB"
+    print(f"{prefix}, {message}" if prefix else message)
+    return tensor_bytes, numpy_bytes
+
+
+@patch
+def check_consistency(self: DataProto) -> None:
+    "verl's name for `validate(deep=True)`: typed errors where verl asserts, and the offsets and seqlen caches of every group checked too."
+    self.validate(deep=True)
