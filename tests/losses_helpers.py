@@ -4,6 +4,7 @@ that spawned gloo processes run (a spawned child imports this module by name, so
 The references never call the code under test: they shift chunk ids, collect chunk positions, take softmaxes, pick
 top-k ids and sum divergences with lists and `math`, one chunk at a time.
 """
+import dataclasses
 import math
 import socket
 import tempfile
@@ -369,6 +370,40 @@ def ref_uld(z, y, batch, *, topk=None, kappa_s=1.0, kappa_t=1.0):
             total += sum(abs(a - b_) for a, b_ in zip(ps, pt))
     return total
 
+# ------------------------------------------------------------------------------------- every mode and aggregation
+
+
+def spec(mode, dense, **kw):
+    return L.TeacherLossSpec(mode, dense if mode in L.PROJECTION_MODES else None, V_S if mode == "topk_kl" else V_T, **kw)
+
+
+def every_config(dense):
+    "Every mode, every aggregation and the switches that change how the blocks see the data."
+    one = {mode: L.XTokenLossConfig(V_S, [spec(mode, dense)], vocab_topk=4)
+           for mode in ("pkl", "gold", "hkl", "topk_kl", "alm", "uld")}
+    two = lambda a, b, **kw: [spec(a, dense, weight=0.7), spec(b, dense, weight=1.3)]
+    return {**one,
+            "ce_only": L.XTokenLossConfig(V_S, [spec("alm", dense)], kl_loss_weight=0.0, ce_loss_scale=2.0),
+            "sum_pkl_gold_kappa": L.XTokenLossConfig(V_S, two("pkl", "gold"), vocab_topk=4, temperature=1.5),
+            "sum_dynamic_weights": L.XTokenLossConfig(V_S, two("hkl", "alm"), sum_weights_metric="entropy", alpha=3.0),
+            "sum_ce_weights_by_vocab": L.XTokenLossConfig(V_S, two("uld", "pkl"), vocab_topk=4, sum_weights_metric="ce",
+                                                          normalize_teacher_by_vocab=True),
+            "dynamic_loss_scaling": L.XTokenLossConfig(V_S, two("pkl", "alm"), vocab_topk=4, dynamic_loss_scaling=True,
+                                                       sum_weights_metric="max_prob"),
+            "select_teacher": L.XTokenLossConfig(V_S, two("uld", "gold"), kd_loss_mode="select_teacher"),
+            "averaged_logits": L.XTokenLossConfig(V_S, two("topk_kl", "topk_kl"), kd_loss_mode="averaged_logits", vocab_topk=5),
+            "pkl_microbatch_scope_reverse": L.XTokenLossConfig(V_S, [spec("pkl", dense)], vocab_topk=3,
+                                                               topk_scope="microbatch", reverse_kl=True),
+            "pkl_geometric_exact_only": L.XTokenLossConfig(V_S, [spec("pkl", dense)], chunk_target="geometric",
+                                                           exact_token_match_only=True),
+            "gold_first_renormalized": L.XTokenLossConfig(V_S, [spec("gold", dense)], chunk_reduce="first",
+                                                          common_renormalize=True, uncommon_topk=2),
+            "hkl_reference_formulas": L.XTokenLossConfig(V_S, [spec("hkl", dense)], reference_formulas=True, reverse_kl=True),
+            "pkl_reference_formulas": L.XTokenLossConfig(V_S, [spec("pkl", dense)], reference_formulas=True, vocab_topk=4),
+            "alm_binary_ce": L.XTokenLossConfig(V_S, [spec("alm", dense)], alm_divergence="binary_ce", alm_tau=3.0),
+            "uld_topk_temperatures": L.XTokenLossConfig(V_S, [spec("uld", dense)], uld_topk=3, uld_student_temperature=2.0),
+            "topk_kl_reverse": L.XTokenLossConfig(V_S, [spec("topk_kl", dense)], vocab_topk=4, reverse_kl=True, temperature=2.0)}
+
 # ------------------------------------------------------------------------------------------ spawned gloo workers
 
 
@@ -478,17 +513,22 @@ def run_microbatches(config, batch, features, head, teachers, same_vocab, parts,
     return total, logit_grads, head.grad.clone()
 
 
+INVARIANCE_BLOCK_SIZES = (None, 2)  # the whole microbatch at once, and blocks of 2 positions
+
+
 def invariance_worker(rank, world, directory):
-    "L19 (c) 2 ranks x 2 samples and (d) 2 ranks x 2 microbatches of 1: totals and gradients, all-reduced with SUM."
+    "L19 (c) 2 ranks x 2 samples and (d) 2 ranks x 2 microbatches of 1, whole and blockwise: totals and gradients, all-reduced with SUM."
     batch, features, head, teachers, same_vocab, configs = invariance_setup(directory)
     mine = [2 * rank, 2 * rank + 1]
     out = {"primitives": primitives_worker(rank, world)}  # L4 and L16 share this pair of processes
     for name, config in configs.items():
-        for split, parts in (("c", [mine]), ("d", [[mine[0]], [mine[1]]])):
-            total, logit_grads, head_grad = run_microbatches(config, batch, features, head, teachers, same_vocab, parts)
-            dist.all_reduce(total)
-            dist.all_reduce(head_grad)
-            out[name, split] = (total.item(), logit_grads, head_grad)
+        for size in INVARIANCE_BLOCK_SIZES:
+            sized = dataclasses.replace(config, block_size=size)
+            for split, parts in (("c", [mine]), ("d", [[mine[0]], [mine[1]]])):
+                total, logit_grads, head_grad = run_microbatches(sized, batch, features, head, teachers, same_vocab, parts)
+                dist.all_reduce(total)
+                dist.all_reduce(head_grad)
+                out[name, split, size] = (total.item(), logit_grads, head_grad)
     return out
 
 
@@ -510,4 +550,53 @@ def deadlock_worker(rank, world, directory):
         total, _, _ = run_microbatches(config, masked, features, head, teachers, same_vocab, parts)
         dist.all_reduce(total)
         out[name] = total.item()
+    return out
+
+# ------------------------------------------------------------------------------------- vocabulary-parallel logits
+
+TP_WIDTH = W_S + 1  # an even logit width (one more lm_head padding column) splits into two equal shards
+
+
+def tp_data(config, seed=71):
+    "A batch, full-width student logits, teacher logits and a hidden/lm_head pair for the vocabulary-parallel tests."
+    n = len(config.teachers)
+    batch = make_batch(seed, teachers=n)
+    student, teachers = make_logits(seed + 1, batch, teachers=n, same_vocab=config.teachers[0].mode == "topk_kl")
+    g = torch.Generator().manual_seed(seed + 2)
+    B, T = batch["input_ids"].shape
+    student = torch.cat([student, torch.randn(B, T, TP_WIDTH - W_S, generator=g, dtype=torch.float64)], -1)
+    hidden = torch.randn(B, T, HIDDEN, generator=g, dtype=torch.float64)
+    weight, bias = torch.randn(TP_WIDTH, HIDDEN, generator=g, dtype=torch.float64), torch.randn(TP_WIDTH, generator=g, dtype=torch.float64)
+    return batch, student, teachers, hidden, weight, bias
+
+
+def tp_run(config, data, block_size, shard=(0, 1), dp_group=None, tp_group=None):
+    "`(loss, logit gradient, metrics)` and `(loss, (hidden, weight, bias) gradients)` of the logits and fused forms on one shard."
+    import dataclasses
+    batch, student, teachers, hidden, weight, bias = data
+    config = dataclasses.replace(config, block_size=block_size)
+    rank, size = shard
+    cols = slice(rank * TP_WIDTH // size, (rank + 1) * TP_WIDTH // size)
+    norms = L.compute_global_normalizers(batch, config, group=dp_group)
+    logits = student[..., cols].clone().requires_grad_()
+    loss, metrics = L.xtoken_kd_loss(logits, batch, teachers, config=config, normalizers=norms, group=dp_group, tp_group=tp_group)
+    loss.backward()
+    leaves = [hidden.clone().requires_grad_(), weight[cols].clone().requires_grad_(), bias[cols].clone().requires_grad_()]
+    fused, _ = L.xtoken_kd_loss_fused(leaves[0], leaves[1], batch, teachers, config=config, normalizers=norms, bias=leaves[2],
+                                      group=dp_group, tp_group=tp_group)
+    fused.backward()
+    metrics = {k: float(v) for k, v in metrics.items()}
+    return (loss.item(), logits.grad, metrics), (fused.item(), tuple(t.grad for t in leaves))
+
+
+def tp_worker(rank, world, directory, names, block_sizes):
+    "Two ranks sharing one tensor-parallel group (tp = 2), each its own data-parallel group of one."
+    dp_groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    tp_group = dist.new_group(list(range(world)))
+    configs = every_config(Path(directory) / "dense_projection.pt")
+    out = {}
+    for name in names:
+        data = tp_data(configs[name])
+        for size in block_sizes:
+            out[name, size] = tp_run(configs[name], data, size, (rank, world), dp_groups[rank], tp_group)
     return out

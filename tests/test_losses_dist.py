@@ -1,13 +1,16 @@
 """Acceptance tests of `xtoken_dp.losses` with real `torch.distributed` gloo processes: L4 and L16
 (reductions over the DP group), L19 (invariance of loss totals and gradients across microbatches and ranks, every
-mode and a two-teacher sum, fp64) and L20 (no deadlock with a fully masked and an empty microbatch, within 60 s).
+mode and a two-teacher sum, fp64, with the loss computed whole and in blocks of 2 positions) and L20 (no deadlock
+with a fully masked and an empty microbatch, within 60 s).
 
 One spawned pair runs L4, L16 and every case of L19, another L20: the file starts four processes in all.
 """
+import dataclasses
+
 import pytest
 import torch
 
-from losses_helpers import invariance_setup, run_microbatches, run_spawned, write_projections
+from losses_helpers import INVARIANCE_BLOCK_SIZES, invariance_setup, run_microbatches, run_spawned, write_projections
 
 MODES = ("pkl", "gold", "hkl", "topk_kl", "alm", "uld", "sum_pkl_alm")
 
@@ -37,8 +40,10 @@ def single_process(data_dir):
     batch, features, head, teachers, same_vocab, configs = invariance_setup(data_dir)
     out = {}
     for name, config in configs.items():
-        for split, parts in (("a", [[0, 1, 2, 3]]), ("b", [[0, 1], [2, 3]])):
-            out[name, split] = run_microbatches(config, batch, features, head, teachers, same_vocab, parts)
+        for size in INVARIANCE_BLOCK_SIZES:
+            sized = dataclasses.replace(config, block_size=size)
+            for split, parts in (("a", [[0, 1, 2, 3]]), ("b", [[0, 1], [2, 3]])):
+                out[name, split, size] = run_microbatches(sized, batch, features, head, teachers, same_vocab, parts)
     return out
 
 
@@ -52,17 +57,20 @@ def assert_same(a, b, name):
 
 
 @pytest.mark.parametrize("name", MODES)
-def test_L19_invariance_across_microbatches_and_ranks(name, single_process, spawned_invariance):
-    reference = single_process[name, "a"]
+@pytest.mark.parametrize("size", INVARIANCE_BLOCK_SIZES)
+def test_L19_invariance_across_microbatches_and_ranks(name, size, single_process, spawned_invariance):
+    "Every split equals one process with one microbatch computed whole, with the loss computed whole or in blocks."
+    reference = single_process[name, "a", None]
     total = reference[0].item()
     assert total > 0 and reference[2].abs().sum() > 0  # a real loss with real gradients
     as_float = lambda t: (t[0].item() if torch.is_tensor(t[0]) else t[0], t[1], t[2])
-    assert_same(as_float(reference), as_float(single_process[name, "b"]), f"{name} 1x2")
+    assert_same(as_float(reference), as_float(single_process[name, "a", size]), f"{name} 1x1 block_size={size}")
+    assert_same(as_float(reference), as_float(single_process[name, "b", size]), f"{name} 1x2 block_size={size}")
     for split in ("c", "d"):
-        grads = {**spawned_invariance[0][name, split][1], **spawned_invariance[1][name, split][1]}
+        grads = {**spawned_invariance[0][name, split, size][1], **spawned_invariance[1][name, split, size][1]}
         for rank in range(2):  # totals and the head gradient were all-reduced: every rank holds the global values
-            total_r, _, head_r = spawned_invariance[rank][name, split]
-            assert_same(as_float(reference), (total_r, grads, head_r), f"{name} {split} rank {rank}")
+            total_r, _, head_r = spawned_invariance[rank][name, split, size]
+            assert_same(as_float(reference), (total_r, grads, head_r), f"{name} {split} rank {rank} block_size={size}")
 
 
 def test_L20_masked_and_empty_microbatches_finish_and_match_one_process(data_dir):

@@ -1,12 +1,15 @@
 """I11 (ipc_distill.md A7): the loss on teacher logits rebuilt through `xtoken_dp.ipc` equals the loss on the original
-tensor, bit for bit; and the loss accepts the top-k record (`TopKTeacherLogits`), ALM reading its exact target log-probs.
+tensor, bit for bit; and the loss accepts the top-k record (`TopKTeacherLogits`), ALM reading its exact target log-probs,
+the same whether the loss runs whole, in blocks (each densifying only its rows) or fused with the lm_head.
 """
+import dataclasses
+
 import pytest
 import torch
 
 from xtoken_dp import losses as L
 from xtoken_dp.ipc import TeacherLogitsProducer, TopKTeacherLogits, rebuild_teacher_full_logits_from_ipc
-from losses_helpers import V_S, V_T, W_T, make_batch, make_logits, write_projections
+from losses_helpers import V_S, V_T, W_S, W_T, make_batch, make_logits, write_projections
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +70,32 @@ def test_I11_topk_record_alm_uses_the_exact_target_logprob(dense, shm_dir):
         no_target = TopKTeacherLogits(record.values, record.indices, record.lse, None, record.vocab_size)
         with pytest.raises(ValueError, match="target_logprob"):
             L.xtoken_kd_loss(student, batch, {0: no_target}, config=alm, normalizers=norms)
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold", "hkl", "alm", "uld"])
+def test_blocks_and_the_fused_lm_head_read_a_topk_record_like_the_whole_microbatch(dense, shm_dir, mode):
+    "A block densifies only its own rows of the record; the result equals densifying it whole (float64 student)."
+    batch = make_batch(205)
+    _, teachers = make_logits(206, batch, dtype=torch.float32)
+    ids = batch["teacher_0_input_ids"]
+    target_ids = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], 1)
+    g = torch.Generator().manual_seed(207)
+    hidden = torch.randn(*batch["input_ids"].shape, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(W_S, 5, generator=g, dtype=torch.float64)
+    config = config_for(mode, dense, vocab_topk=4, block_size=None)
+    norms = L.compute_global_normalizers(batch, config)
+    with TeacherLogitsProducer(max_batch=4, max_seq_len=ids.shape[1], vocab_width=W_T, storage="topk", topk=3,
+                               shm_dir=shm_dir) as producer:
+        record = rebuild_teacher_full_logits_from_ipc(
+            {"h": producer.publish(teachers[0], vocab_size=V_T, target_ids=target_ids)}, key="h")
+        results = {}
+        for form, size in (("whole", None), ("blocks", 2), ("fused", 2), ("fused", None)):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            sized = dataclasses.replace(config, block_size=size)
+            if form == "fused": loss, _ = L.xtoken_kd_loss_fused(h, w, batch, {0: record}, config=sized, normalizers=norms)
+            else: loss, _ = L.xtoken_kd_loss(h @ w.T, batch, {0: record}, config=sized, normalizers=norms)
+            results[form, size] = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    expected = results["whole", None]
+    assert expected[0].item() > 0
+    for key, got in results.items():
+        for a, b in zip(got, expected): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13, msg=str(key))

@@ -1,6 +1,6 @@
-"""Chunk averaging by segment sums, exact DP-invariant normalisation, P-KL / gold / H-KL / same-vocab top-k KL / ALM / ULD, multi-teacher aggregation and CE.
+"""Chunk averaging by segment sums, exact DP-invariant normalisation, P-KL / gold / H-KL / same-vocab top-k KL / ALM / ULD, multi-teacher aggregation and CE, computed block by block, fused with the lm_head or over vocabulary-sharded logits.
 
-The cross-tokenizer distillation losses (P-KL, gold, H-KL, same-vocab top-k KL, ALM, ULD, multi-teacher) with CE, chunk aggregation by segment sums and normalisation that does not depend on how a batch is split.
+The cross-tokenizer distillation losses (P-KL, gold, H-KL, same-vocab top-k KL, ALM, ULD, multi-teacher) with CE, chunk aggregation by segment sums and normalisation that does not depend on how a batch is split; computed in blocks of positions (one block's memory at a time), fused with the lm_head, or over vocabulary-parallel logits.
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/losses.html.md"""
 
@@ -9,16 +9,19 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/losses.html.md"""
 # %% ../nbs/08_losses.ipynb #2dc900f4
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import math
 import numbers
 import os
 import re
 import warnings
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
 import torch
@@ -39,8 +42,9 @@ __all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRI
            'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack',
            'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec',
            'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses',
-           'teacher_weights', 'combine_losses', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'reduce_metrics',
-           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
+           'teacher_weights', 'combine_losses', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
+           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
+           'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -429,6 +433,7 @@ class XTokenLossConfig:
     alpha: float = 1.0  # sharpness of dynamic weights softmax(alpha·score)
     sum_weights_metric: str | None = None  # sum: None (static weights), "ce", "entropy" or "max_prob"
     reference_formulas: bool = False  # the reference loss implementation's per-chunk formulas (values can be negative)
+    block_size: int | None = 64  # student positions per block of the loss (None: the whole microbatch at once)
 
     def __post_init__(self): _validate_config(self)
 
@@ -492,6 +497,7 @@ def _validate_config(cfg):
     put("uncommon_weight", _check_float("uncommon_weight", cfg.uncommon_weight, nonnegative=True))
     put("alm_tau", _check_float("alm_tau", cfg.alm_tau, positive=True))
     put("uld_topk", check_int("uld_topk", cfg.uld_topk, minimum=1, optional=True))
+    put("block_size", check_int("block_size", cfg.block_size, minimum=1, optional=True))
     for name in ("uld_student_temperature", "uld_teacher_temperature"):
         put(name, _check_float(name, getattr(cfg, name), positive=True))
     for name in ("kl_loss_weight", "ce_loss_scale", "alpha"): put(name, _check_float(name, getattr(cfg, name)))
@@ -688,14 +694,14 @@ def _next_logprob(logits, targets, mask):
 
 class _Microbatch:
     "The student side of one microbatch, read once and shared by CE and every teacher term."
-    def __init__(self, student_logits, batch, config):
+    def __init__(self, student_logits, batch, config, *, width=None):
         if not isinstance(student_logits, Tensor) or student_logits.dim() != 3 or not student_logits.is_floating_point():
             raise ValueError(f"student_logits must be a floating [B, T_s, W_s] tensor, got "
                              f"{getattr(student_logits, 'shape', type(student_logits).__name__)}")
-        self.flat, self.config = as_flat_batch(batch), config
+        self.flat, self.config, self.logits = as_flat_batch(batch), config, student_logits
         self.B, self.T, self.W = student_logits.shape
+        if width is not None: self.W = width  # a vocabulary-parallel shard stands for the full width
         self.device, self.dtype = student_logits.device, _compute_dtype(student_logits)
-        self.z = student_logits.to(self.dtype)
         if self.W < config.student_vocab_size:
             raise ValueError(f"student_logits: expected a logit width W_s >= {config.student_vocab_size} (student_vocab_size, "
                              f"the student vocabulary), got {self.W}")
@@ -708,6 +714,11 @@ class _Microbatch:
         self.targets = torch.zeros_like(self.ids)
         self.targets[:, :-1] = self.ids[:, 1:]
         self._chunks = {}
+
+    @cached_property
+    def z(self) -> Tensor:
+        "The student logits in the compute dtype (made on first use: the blockwise path never makes it whole)."
+        return self.logits.to(self.dtype)
 
     @cached_property
     def next_logprob(self) -> Tensor:
@@ -742,10 +753,22 @@ class _Teacher:
             raise ValueError(f"teacher {i}: same-vocab mode needs teacher logits on the student's ids (T_t == T_s = "
                              f"{mb.T}), got T_t={self.T}")
 
+    fixed_columns = None  # [B, k] top-k columns chosen before a blockwise pass (None: chosen from these logits)
+
     @cached_property
     def logits(self) -> Tensor:
         "Teacher logits (log-probs for a record) in the compute dtype, without gradient."
         dense = self.raw.densify() if self.is_record else self.raw
+        return dense.detach().to(self.mb.device, self.mb.dtype)
+
+    def rows(self, b, q0, q1) -> Tensor:
+        "Logits of sample `b` at positions `[q0, q1)`, `[1, q1 - q0, W_t]`; a dataclass record densifies only those rows."
+        if not self.is_record: dense = self.raw[b:b + 1, q0:q1]
+        elif dataclasses.is_dataclass(self.raw):
+            parts = {f.name: getattr(self.raw, f.name)[b:b + 1, q0:q1] for f in dataclasses.fields(self.raw)
+                     if isinstance(getattr(self.raw, f.name), Tensor)}
+            dense = dataclasses.replace(self.raw, **parts).densify()
+        else: return self.logits[b:b + 1, q0:q1]
         return dense.detach().to(self.mb.device, self.mb.dtype)
 
     def sliced(self, width):
@@ -772,10 +795,15 @@ def _teacher_columns(y, voters, k, scope):
     B, T, V = y.shape
     if k >= V: return torch.arange(V, device=y.device).expand(B, V)
     if B == 0: return torch.zeros(0, k, dtype=torch.int64, device=y.device)
-    if scope == "microbatch": scores = y.reshape(B * T, V).amax(0, keepdim=True) if T else y.new_full((1, V), -math.inf)
+    if scope == "microbatch": scores = y.amax((0, 1))[None] if T else y.new_full((1, V), -math.inf)
     else: scores = torch.stack([_voting_max(y[b], voters[b]) for b in range(B)])
+    return _top_columns(scores, k).expand(B, k)
+
+
+def _top_columns(scores, k):
+    "Ascending ids of the `k` largest scores of each row (ties to the lower id)."
     top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    return top.sort(-1).values.expand(B, k)
+    return top.sort(-1).values
 
 
 def _voting_max(rows, voters, block=64):
@@ -854,7 +882,8 @@ def _pkl_term(mb, teacher, chunks):
     V_s, V_t = M.shape
     z, y = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), teacher.sliced(V_t)
     k = min(cfg.vocab_topk, V_t)
-    cols = _teacher_columns(y, chunks.tau >= 0, k, cfg.effective_topk_scope)
+    cols = teacher.fixed_columns
+    if cols is None: cols = _teacher_columns(y, chunks.tau >= 0, k, cfg.effective_topk_scope)
     r = _project(M, torch.softmax(_tempered(z, kappa), -1), cols)
     ell = torch.log_softmax(_tempered(y.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)), kappa), -1)
     R = _reduce(r, chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
@@ -884,10 +913,14 @@ def _descending_top(a: np.ndarray, k: int) -> np.ndarray:
     n = a.shape[-1]
     if a.dtype == np.float32:
         # float bits made order-preserving as integers, the column index in the low bits: one int64 sort gives both
-        bits = a.view(np.int32).astype(np.int64)
-        bits ^= (bits >> 31) & 0x7FFFFFFF
+        keys = a.view(np.int32).astype(np.int64)  # in place from here on: at most two int64 copies of the rows at once
+        flip = keys >> 31
+        flip &= 0x7FFFFFFF
+        keys ^= flip
+        del flip
         shift = max(1, (n - 1).bit_length())
-        keys = (bits << shift) | np.arange(n, dtype=np.int64)
+        keys <<= shift
+        keys |= np.arange(n, dtype=np.int64)
         keys.sort(axis=-1)
         return keys[:, n - k:][:, ::-1] & ((1 << shift) - 1)
     return np.argsort(a, axis=-1, kind="stable")[:, n - k:][:, ::-1]
@@ -959,14 +992,14 @@ def _gold_term(mb, teacher, chunks):
                  top1_common=top1, uncommon_mass=torch.where(valid, rho_t, 0.).sum().detach())
 
 # %% ../nbs/08_losses.ipynb #4bae7660
-def _topk_kl_term(mb, y):
+def _topk_kl_term(mb, y, cols=None):
     cfg, kappa = mb.config, mb.config.temperature
     V = cfg.student_vocab_size
     if y.shape[-1] < V:
         raise ValueError(f"teacher_logits: a same-vocab teacher reads the student vocabulary's {V} columns; expected a "
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
     z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
-    cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk, V), cfg.effective_topk_scope)
+    if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk, V), cfg.effective_topk_scope)
     index = cols[:, None, :].expand(-1, mb.T, -1)
     log_t = torch.log_softmax(_tempered(y.gather(-1, index), kappa), -1)
     log_s = torch.log_softmax(_tempered(z.gather(-1, index), kappa), -1)
@@ -1023,7 +1056,7 @@ _CHUNK_TERMS = {"pkl": _pkl_term, "gold": _gold_term, "hkl": _gold_term, "alm": 
 
 
 def _teacher_term(mb, teacher):
-    if teacher.spec.mode == "topk_kl": return _topk_kl_term(mb, teacher.logits)
+    if teacher.spec.mode == "topk_kl": return _topk_kl_term(mb, teacher.logits, teacher.fixed_columns)
     return _CHUNK_TERMS[teacher.spec.mode](mb, teacher, mb.chunks(teacher.i, teacher.T))
 
 
@@ -1046,21 +1079,25 @@ def per_chunk_losses(student_logits: Tensor, # [B, T_s, W_s]
         return _teacher_term(mb, _Teacher(mb, teacher, _teacher_input(teacher_logits, teacher)))
 
 # %% ../nbs/08_losses.ipynb #d5d4776e
+def _position_values(y, targets, mask, metric, width):
+    "Per-position `−log p(x_t)`, entropy or max probability at temperature 1 of logits `y` (vocabulary `width`)."
+    if metric == "ce": return -_next_logprob(y, targets, mask)
+    log_p = torch.log_softmax(y[..., :width], -1)
+    if metric == "entropy": return -(log_p.exp() * log_p).sum(-1)
+    return log_p.amax(-1).exp()
+
+
 def _position_score(teacher, metric):
-    "Per-position `−log p(x_t)`, entropy or max probability at temperature 1, and the teacher's CE positions."
+    "Per-position score values of a teacher, and the teacher's CE positions."
     mask, targets = teacher.next_mask_and_targets
-    y = teacher.logits
-    if metric == "ce": return -_next_logprob(y, targets, mask), mask
-    log_p = torch.log_softmax(y[..., :teacher.spec.vocab_size], -1)
-    if metric == "entropy": return -(log_p.exp() * log_p).sum(-1), mask
-    return log_p.amax(-1).exp(), mask
+    return _position_values(teacher.logits, targets, mask, metric, teacher.spec.vocab_size), mask
 
 
-def _teacher_scores(teachers, config, group):
+def _teacher_scores(teachers, config, group, position_score=_position_score):
     "`(raw means, scores)` per teacher (score = −CE, −H or MP), or None when the config needs none."
     if not config.needs_scores: return None
     metric = "ce" if config.kd_loss_mode == "select_teacher" else config.sum_weights_metric
-    values, masks = zip(*(_position_score(t, metric) for t in teachers))
+    values, masks = zip(*(position_score(t, metric) for t in teachers))
     means = dp_masked_mean(list(values), list(masks), group=group)
     return means, (means if metric == "max_prob" else -means)
 
@@ -1125,32 +1162,368 @@ def _teacher_metrics(i, spec, term, n, weight):
     return out
 
 
+def _kd_weights(config, scores):
+    "`(weights [I] float64, the teachers whose KD is computed, extras)` of `sum` and `select_teacher`."
+    n_teachers = len(config.teachers)
+    if config.kd_loss_mode == "select_teacher":
+        ce = scores[0].tolist()
+        chosen = min(range(len(ce)), key=lambda i: (ce[i], i))
+        weights = torch.tensor([1. if i == chosen else 0. for i in range(n_teachers)], dtype=torch.float64)
+        return weights, [chosen], {"selected_teacher": torch.tensor(chosen, dtype=torch.float64)}
+    return teacher_weights(config, None if scores is None else scores[1]), list(range(n_teachers)), {}
+
+
+def _mean_logits(weights, logits):
+    "`Σ w_i y_i / Σ w_i` of same-vocab teacher logits (averaged_logits)."
+    return sum(w * y for w, y in zip(weights, logits)) / weights.sum()
+
+
+def _averaged_metrics(weights, count):
+    return {k: v for i in range(len(weights))
+            for k, v in ((f"weight_t{i}", (weights[i] / weights.sum()).detach()), (f"num_valid_chunks_t{i}", count))}
+
+
+def _all_teacher_metrics(config, terms, weights, scores, n):
+    "The `_t{i}` metrics of every teacher from its term (None: not computed)."
+    metrics = {}
+    for i, spec in enumerate(config.teachers):
+        metrics.update(_teacher_metrics(i, spec, terms.get(i), n[i], weights[i]))
+        if scores is not None: metrics[f"score_t{i}"] = scores[1][i]
+        if config.kd_loss_mode == "select_teacher": metrics[f"selected_frac_t{i}"] = weights[i]
+    return metrics
+
+
 def _aggregate(mb, teachers, scores, normalizers, config):
     "`(KD, per-teacher metrics, aggregate extras)` for the config's kd_loss_mode."
-    metrics, extras, n = {}, {}, normalizers.n_chunks
+    n = normalizers.n_chunks
     if config.kd_loss_mode == "averaged_logits":
         weights = torch.tensor([t.weight for t in config.teachers], dtype=mb.dtype, device=mb.device)
         shapes = {tuple(t.logits.shape) for t in teachers}
         if len(shapes) != 1: raise ValueError(f"averaged_logits needs teacher logits of one shape, got {sorted(shapes)}")
-        mean_logits = sum(w * t.logits for w, t in zip(weights, teachers)) / weights.sum()
-        term = _topk_kl_term(mb, mean_logits)
-        for i in range(len(teachers)):
-            metrics.update({f"weight_t{i}": (weights[i] / weights.sum()).detach(), f"num_valid_chunks_t{i}": term.count})
-        return term.total / normalizers.n_tok, metrics, extras
-    if config.kd_loss_mode == "select_teacher":
-        ce = scores[0].tolist()
-        chosen = min(range(len(ce)), key=lambda i: (ce[i], i))
-        extras["selected_teacher"] = torch.tensor(chosen, dtype=torch.float64)
-        weights = torch.tensor([1. if i == chosen else 0. for i in range(len(teachers))], dtype=torch.float64)
-    else: weights = teacher_weights(config, None if scores is None else scores[1])
-    kd = mb.z.new_zeros(())
-    for i, teacher in enumerate(teachers):
-        term = None if config.kd_loss_mode == "select_teacher" and i != chosen else _teacher_term(mb, teacher)
-        if term is not None: kd = kd + weights[i].to(mb.dtype) * term.total / n[i]
-        metrics.update(_teacher_metrics(i, teacher.spec, term, n[i], weights[i]))
-        if scores is not None: metrics[f"score_t{i}"] = scores[1][i]
-        if config.kd_loss_mode == "select_teacher": metrics[f"selected_frac_t{i}"] = weights[i]
-    return kd, metrics, extras
+        term = _topk_kl_term(mb, _mean_logits(weights, [t.logits for t in teachers]))
+        return term.total / normalizers.n_tok, _averaged_metrics(weights, term.count), {}
+    weights, computed, extras = _kd_weights(config, scores)
+    terms, kd = {i: _teacher_term(mb, teachers[i]) for i in computed}, mb.z.new_zeros(())
+    for i, term in terms.items(): kd = kd + weights[i].to(mb.dtype) * term.total / n[i]
+    return kd, _all_teacher_metrics(config, terms, weights, scores, n), extras
+
+# %% ../nbs/08_losses.ipynb #992913c2
+@dataclass
+class _Block:
+    "One block of a loss pass: sample `b`, student positions `[p0, p1)`, and each teacher's positions `(q0, q1)`."
+    b: int
+    p0: int
+    p1: int
+    spans: dict  # teacher index -> (q0, q1)
+
+
+def _prefix_max(ids):
+    "`max(ids[:p])` for every `p` in `[0, T]` (-1 when empty)."
+    head = ids.new_full((1,), -1)
+    return torch.cat([head, ids.cummax(0).values]) if ids.numel() else head
+
+
+def _suffix_min(ids):
+    "`min(ids[p:])` over chunk ids >= 0 for every `p` in `[0, T]` (the int64 maximum when there are none)."
+    huge = torch.iinfo(torch.int64).max
+    real = torch.where(ids >= 0, ids, huge)
+    tail = real.flip(0).cummin(0).values.flip(0) if ids.numel() else real
+    return torch.cat([tail, real.new_full((1,), huge)])
+
+
+def _block_cuts(sigma, # [T_s] shifted student chunk ids of one sample
+                tau, # [T_t] shifted teacher chunk ids of the same sample
+               ) -> tuple[Tensor, Tensor]:
+    "`(allowed, teacher_cut)`, both `[T_s + 1]`: may a block end before student position p, and where does it end on the teacher side."
+    sigma, tau = sigma.to("cpu", torch.int64), tau.to("cpu", torch.int64)
+    before_s, after_s = _prefix_max(sigma), _suffix_min(sigma)
+    before_t, after_t = _prefix_max(tau), _suffix_min(tau)
+    cut = torch.searchsorted(before_t[1:].contiguous(), before_s, right=True)  # teacher rows holding only earlier chunks
+    allowed = (before_s < after_s) & (before_s < after_t[cut])
+    cut[0], cut[-1] = 0, tau.numel()
+    allowed[0] = allowed[-1] = True
+    return allowed, cut
+
+
+def _sample_blocks(b, T, cuts, size):
+    "Blocks of sample `b`: each ends at the first cut that every teacher allows at or after `size` positions."
+    allowed = torch.ones(T + 1, dtype=torch.bool)
+    for ok, _ in cuts.values(): allowed &= ok
+    ends = allowed.nonzero().flatten().tolist()
+    blocks, start = [], 0
+    while start < T:
+        end = ends[bisect.bisect_left(ends, min(start + size, T))]
+        blocks.append(_Block(b, start, end, {i: (int(cut[start]), int(cut[end])) for i, (_, cut) in cuts.items()}))
+        start = end
+    return blocks
+
+# %% ../nbs/08_losses.ipynb #2bfee18f
+def _columns_by_rows(rows_of, voters, shape, k, scope, step):
+    "`_teacher_columns` of logits read `step` rows at a time: `rows_of(b, q0, q1)` gives `[1, q1 - q0, >= V]`."
+    (B, T, V), device = shape, voters.device
+    if k >= V: return torch.arange(V, device=device).expand(B, V)
+    if B == 0: return torch.zeros(0, k, dtype=torch.int64, device=device)
+    best = None
+    for b in range(B):
+        for q0 in range(0, T, step):
+            vote = voters[b, q0:q0 + step] if scope == "sample" else None
+            if vote is not None and not bool(vote.any()): continue
+            y = rows_of(b, q0, min(q0 + step, T))[0, :, :V]
+            if best is None: best = torch.full((B, V), -math.inf, dtype=y.dtype, device=y.device)
+            best[b] = torch.maximum(best[b], (y if vote is None else y[vote]).amax(0))
+    if best is None: best = torch.full((B, V), -math.inf, device=device)
+    return _top_columns(best.amax(0, keepdim=True) if scope == "microbatch" else best, k).expand(B, k)
+
+
+def _scores_by_rows(teacher, metric, step):
+    "`_position_score` computed `step` teacher rows at a time (no `[B, T_t, V_t]` copy)."
+    mask, targets = teacher.next_mask_and_targets
+    values = torch.zeros(mask.shape, dtype=teacher.mb.dtype, device=mask.device)
+    for b in range(mask.shape[0]):
+        for q0 in range(0, mask.shape[1], step):
+            q1 = min(q0 + step, mask.shape[1])
+            if not bool(mask[b, q0:q1].any()): continue  # masked out of the mean anyway
+            values[b, q0:q1] = _position_values(teacher.rows(b, q0, q1), targets[b:b + 1, q0:q1], mask[b:b + 1, q0:q1],
+                                                metric, teacher.spec.vocab_size)[0]
+    return values, mask
+
+
+def _plan_columns(mb, teachers, config, step):
+    "The top-k columns of every computed pkl / topk_kl teacher, chosen over the whole microbatch before the blocks."
+    columns, scope = {}, config.effective_topk_scope
+    for t in teachers:
+        if t.spec.mode == "pkl":
+            V = get_sparse_projection_matrix(t.spec.projection_path, mb.device, student_vocab_size=config.student_vocab_size,
+                                             teacher_vocab_size=t.spec.vocab_size, row_normalize=config.effective_row_normalize).shape[1]
+            voters = mb.chunks(t.i, t.T).tau >= 0
+        elif t.spec.mode == "topk_kl": V, voters = config.student_vocab_size, mb.next_mask
+        else: continue
+        if t.W >= V:  # a narrower teacher fails in its term, with the term's message
+            columns[t.i] = _columns_by_rows(t.rows, voters, (mb.B, t.T, V), min(config.vocab_topk, V), scope, step)
+    return columns
+
+# %% ../nbs/08_losses.ipynb #9836133c
+def _plan_blocks(mb, teachers, computed, size):
+    "Every block of the microbatch; a masked sample has none (it adds nothing to the loss or its gradient)."
+    blocks, every = [], torch.ones(mb.T + 1, dtype=torch.bool)
+    for b in range(mb.B):
+        if not bool(mb.sample_on[b]): continue
+        cuts = {}
+        for i in computed:
+            if teachers[i].spec.mode == "topk_kl": cuts[i] = (every, torch.arange(mb.T + 1))
+            else:
+                chunks = mb.chunks(i, teachers[i].T)
+                cuts[i] = _block_cuts(chunks.sigma[b], chunks.tau[b])
+        blocks += _sample_blocks(b, mb.T, cuts, size or mb.T)
+    return blocks
+
+
+def _plan(mb, teachers, config, normalizers, group):
+    "Everything global, computed before the blocks: scores, weights, top-k columns and the blocks themselves."
+    step = config.block_size or 256
+    scores = _teacher_scores(teachers, config, group, lambda t, metric: _scores_by_rows(t, metric, step))
+    plan = SimpleNamespace(normalizers=normalizers, scores=scores, averaged=None, extras={}, weights=None, computed=[])
+    if config.kd_loss_mode == "averaged_logits":
+        shapes = {(t.T, t.W) for t in teachers}
+        if len(shapes) != 1: raise ValueError(f"averaged_logits needs teacher logits of one shape, got {sorted(shapes)}")
+        plan.averaged = torch.tensor([t.weight for t in config.teachers], dtype=mb.dtype, device=mb.device)
+        V, W = config.student_vocab_size, teachers[0].W
+        rows_of = lambda b, q0, q1: _mean_logits(plan.averaged, [t.rows(b, q0, q1) for t in teachers])
+        plan.columns = {} if W < V else {None: _columns_by_rows(rows_of, mb.next_mask, (mb.B, mb.T, V), min(config.vocab_topk, V),
+                                                                 config.effective_topk_scope, step)}
+    else:
+        plan.weights, plan.computed, plan.extras = _kd_weights(config, scores)
+        plan.columns = _plan_columns(mb, [teachers[i] for i in plan.computed], config, step)
+    plan.chunked = [i for i in plan.computed if teachers[i].spec.mode != "topk_kl"]
+    plan.blocks = _plan_blocks(mb, teachers, plan.computed, config.block_size)
+    return plan
+
+# %% ../nbs/08_losses.ipynb #ace3b96c
+def _block_chunks(chunks, blk, span):
+    "A teacher's chunks inside one block, ids re-based to 0 (a block never splits a chunk, so the ids form one range)."
+    (q0, q1), b = span, blk.b
+    sigma, tau = chunks.sigma[b:b + 1, blk.p0:blk.p1], chunks.tau[b:b + 1, q0:q1]
+    ids = torch.cat([sigma[sigma >= 0], tau[tau >= 0]])
+    lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, -1)
+    rebase = lambda x: torch.where(x >= 0, x - lo, -1)
+    return _Chunks(rebase(sigma), rebase(tau), chunks.valid[b:b + 1, lo:hi + 1], hi - lo + 1)
+
+
+def _block_microbatch(mb, blk, z, chunks):
+    "The student side of one block: a one-sample `_Microbatch` holding the block's logits `z`."
+    part, rows = _Microbatch.__new__(_Microbatch), lambda x: x[blk.b:blk.b + 1, blk.p0:blk.p1]
+    part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=1, T=blk.p1 - blk.p0, W=mb.W, device=mb.device,
+                         dtype=mb.dtype, ids=rows(mb.ids), token_mask=rows(mb.token_mask), next_mask=rows(mb.next_mask),
+                         sample_on=mb.sample_on[blk.b:blk.b + 1], targets=rows(mb.targets), _chunks=chunks)
+    return part
+
+
+def _block_teacher(teacher, part, blk, columns):
+    "A teacher's side of one block: its rows, targets, exact target log-probs (a record) and the microbatch's columns."
+    (q0, q1), view = blk.spans[teacher.i], _Teacher.__new__(_Teacher)
+    rows = lambda x: x if x is None else x[blk.b:blk.b + 1, q0:q1]
+    mask, targets = teacher.next_mask_and_targets
+    raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
+    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
+                         logits=teacher.rows(blk.b, q0, q1), next_mask_and_targets=(rows(mask), rows(targets)),
+                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1])
+    return view
+
+
+def _block_parts(mb, teachers, plan, blk, z):
+    "CE and KD of one block, graph-connected to its logits `z`, with its counts and teacher terms."
+    n = plan.normalizers
+    part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, blk.spans[i]) for i in plan.chunked})
+    ce_sum, correct, n_targets = _ce_terms(part)
+    if plan.averaged is not None:
+        mean = _mean_logits(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers])
+        cols = plan.columns.get(None)
+        terms = {None: _topk_kl_term(part, mean, None if cols is None else cols[blk.b:blk.b + 1])}
+        kd = terms[None].total / n.n_tok
+    else:
+        terms = {i: _teacher_term(part, _block_teacher(teachers[i], part, blk, plan.columns.get(i))) for i in plan.computed}
+        kd = z.new_zeros(())
+        for i, term in terms.items(): kd = kd + plan.weights[i].to(mb.dtype) * term.total / n.n_chunks[i]
+    return SimpleNamespace(kd=kd, ce=ce_sum / n.n_tok, ce_sum=ce_sum, correct=correct, n_targets=n_targets, terms=terms)
+
+# %% ../nbs/08_losses.ipynb #6659a2af
+class _TermSum:
+    "A teacher term summed over blocks, read by `_teacher_metrics` like a `TeacherTerm` (total, count, stats)."
+    def __init__(self):
+        self.total, self.count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+        self.stats = defaultdict(lambda: torch.zeros((), dtype=torch.int64))  # no block at all: every stat is 0
+
+    def add(self, term):
+        self.total = self.total + term.total.detach().double()
+        self.count = self.count + term.count.cpu()
+        for name, value in term.stats.items():
+            value = value.detach().cpu()
+            self.stats[name] = self.stats[name] + (value.double() if value.is_floating_point() else value)
+
+    def finished(self, dtype):
+        "The sums with floats back in the compute dtype."
+        self.total = self.total.to(dtype)
+        for name, value in self.stats.items(): self.stats[name] = value.to(dtype) if value.is_floating_point() else value
+        return self
+
+
+class _BlockSums:
+    "What a pass over the blocks adds up: CE, correct predictions, CE targets and each teacher's term."
+    def __init__(self, keys):
+        self.ce_sum, self.correct, self.n_targets = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        self.terms = {key: _TermSum() for key in keys}
+
+    def add(self, parts):
+        self.ce_sum = self.ce_sum + parts.ce_sum.detach().double().cpu()
+        self.correct, self.n_targets = self.correct + parts.correct.cpu(), self.n_targets + parts.n_targets.cpu()
+        for key, term in parts.terms.items(): self.terms[key].add(term)
+
+    def values(self, plan, dtype):
+        "`(KD, CE)` of the microbatch in the compute dtype, from the float64 sums."
+        n = plan.normalizers
+        if plan.averaged is not None: kd = self.terms[None].total / n.n_tok
+        else: kd = sum((plan.weights[i] * self.terms[i].total / n.n_chunks[i] for i in plan.computed), torch.zeros((), dtype=torch.float64))
+        return kd.to(dtype), (self.ce_sum / n.n_tok).to(dtype)
+
+
+def _run_blocks(mb, teachers, plan, source, factors):
+    "One pass over the blocks, summing their parts; with `factors` (KD, CE) each block's logit gradient goes to `source`."
+    sums = _BlockSums([None] if plan.averaged is not None else plan.computed)
+    for blk in plan.blocks:
+        local = source.block(blk)
+        z = _gather_columns(local, source.tp_group, source.tp_size).to(mb.dtype).detach()
+        with torch.enable_grad() if factors is not None else torch.no_grad():
+            z.requires_grad_(factors is not None)
+            parts = _block_parts(mb, teachers, plan, blk, z)
+            if factors is not None:
+                (grad,) = torch.autograd.grad(factors[0] * parts.kd + factors[1] * parts.ce, z, allow_unused=True)
+                if grad is None: grad = torch.zeros_like(z)
+                width = local.shape[-1]
+                source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
+        sums.add(parts)
+    return sums
+
+# %% ../nbs/08_losses.ipynb #fbc66148
+class _PrecomputedGradients(torch.autograd.Function):
+    "A loss whose input gradients were computed in its forward pass; backward scales them by the incoming gradient."
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        loss, ctx.grads = run()
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        grads, ctx.grads = ctx.grads, None  # released at once: the only copy of the gradient is the one handed on
+        if grads is None: raise RuntimeError("the blockwise loss keeps its gradients for one backward pass; "
+                                             "recompute the loss to backpropagate again (or set block_size=None)")
+        unit = bool(grad_output == 1)
+        return (None, *(g if g is None or unit else g * grad_output.to(g.dtype) for g in grads))
+
+
+def _tp_layout(tp_group):
+    "`(rank, size)` of this process in the tensor-parallel group (`(0, 1)` without one)."
+    if tp_group is None: return 0, 1
+    if not _distributed(): raise ValueError("tp_group: expected a group of an initialised torch.distributed, got a group "
+                                            "while torch.distributed is not initialised")
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _gather_columns(block, tp_group, tp_size):
+    "The full-width block from every tensor-parallel rank's column shard, in rank order (one all-gather)."
+    if tp_group is None: return block
+    parts = [torch.empty_like(block) for _ in range(tp_size)]
+    dist.all_gather(parts, block.contiguous(), group=tp_group)
+    return torch.cat(parts, -1)
+
+
+class _LogitsSource:
+    "Student logits, whole or this rank's column shard: blocks read from them, their gradient written back by block."
+    def __init__(self, logits, tp_group):
+        if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
+            raise ValueError(f"student_logits must be a floating [B, T_s, W_s] tensor, got "
+                             f"{getattr(logits, 'shape', type(logits).__name__)}")
+        self.logits, self.tp_group, self.inputs = logits, tp_group, (logits,)
+        self.tp_rank, self.tp_size = _tp_layout(tp_group)
+        self.stand_in, self.width, self.device = logits, logits.shape[-1] * self.tp_size, logits.device
+
+    def block(self, blk): return self.logits[blk.b:blk.b + 1, blk.p0:blk.p1]
+    def start(self): self.grad = torch.zeros_like(self.logits)
+    def store(self, blk, grad): self.grad[blk.b:blk.b + 1, blk.p0:blk.p1] = grad
+    def finish(self):
+        grad, self.grad = self.grad, None  # the autograd function then holds the only reference: no copy into .grad
+        return (grad,)
+
+# %% ../nbs/08_losses.ipynb #0096e4d2
+def _loss_and_grads(mb, teachers, plan, source, need_grad, out):
+    "`(loss, input gradients or None)`: a value-only pass first when dynamic scaling needs KD and CE before the gradients."
+    config = mb.config
+    factors = (config.kl_loss_weight, config.ce_loss_scale)
+    if config.dynamic_loss_scaling and need_grad:
+        factors = (combine_losses(*_run_blocks(mb, teachers, plan, source, None).values(plan, mb.dtype), config)[1], 1.)
+    if need_grad: source.start()
+    sums = _run_blocks(mb, teachers, plan, source, factors if need_grad else None)
+    kd, ce = sums.values(plan, mb.dtype)
+    loss, scale = combine_losses(kd, ce, config)
+    if plan.averaged is not None: teacher_metrics = _averaged_metrics(plan.averaged, sums.terms[None].count)
+    else:
+        terms = {i: sums.terms[i].finished(mb.dtype) for i in plan.computed}
+        teacher_metrics = _all_teacher_metrics(config, terms, plan.weights, plan.scores, plan.normalizers.n_chunks)
+    out["metrics"] = {"loss": loss.detach(), "kl_loss": kd, "ce_loss": ce, "kl_loss_scale": scale,
+                      "accuracy": sums.correct.double() / sums.n_targets.clamp_min(1), "num_valid_samples": mb.sample_on.sum(),
+                      "num_valid_tokens": sums.n_targets, **plan.extras, **teacher_metrics}
+    return loss.to(mb.device), source.finish() if need_grad else None
+
+
+def _blockwise_loss(source, batch, teacher_logits, config, normalizers, group):
+    "The loss computed block by block; its inputs' gradients are computed on the way and kept for `backward`."
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in source.inputs)
+    with torch.autocast(device_type=source.device.type, enabled=False):
+        mb = _Microbatch(source.stand_in, batch, config, width=source.width)
+        teachers = [_Teacher(mb, i, _teacher_input(teacher_logits, i)) for i in range(len(config.teachers))]
+        plan, out = _plan(mb, teachers, config, normalizers, group), {}
+        loss = _PrecomputedGradients.apply(lambda: _loss_and_grads(mb, teachers, plan, source, need_grad, out), *source.inputs)
+    return loss, out["metrics"]
 
 # %% ../nbs/08_losses.ipynb #95393082
 def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >= student_vocab_size)
@@ -1159,10 +1532,13 @@ def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >
                    *, config: XTokenLossConfig, # the loss configuration
                    normalizers: GlobalNormalizers, # the step's global counts (compute_global_normalizers)
                    group=None, # process group of the scores' all-reduce (None: the DP group)
+                   tp_group=None, # tensor-parallel group over which the logits' columns are sharded (None: unsharded)
                   ) -> tuple[Tensor, dict]:
     "Cross-tokenizer distillation loss of one microbatch: `(loss, metrics)`, normalised by the step's global counts."
     if not isinstance(config, XTokenLossConfig): raise TypeError(f"config must be an XTokenLossConfig, got {type(config).__name__}")
     _check_normalizers(normalizers, config)
+    if config.block_size is not None or tp_group is not None:
+        return _blockwise_loss(_LogitsSource(student_logits, tp_group), batch, teacher_logits, config, normalizers, group)
     with torch.autocast(device_type=student_logits.device.type, enabled=False):
         mb = _Microbatch(student_logits, batch, config)
         teachers = [_Teacher(mb, i, _teacher_input(teacher_logits, i)) for i in range(len(config.teachers))]
@@ -1188,10 +1564,76 @@ class XTokenDistillationLoss:
         "`compute_global_normalizers(microbatches, self.config, group=group)`: once per optimizer step."
         return compute_global_normalizers(microbatches, self.config, group=group)
 
-    def __call__(self, student_logits, batch, teacher_logits, *, normalizers, group=None) -> tuple[Tensor, dict]:
-        return xtoken_kd_loss(student_logits, batch, teacher_logits, config=self.config, normalizers=normalizers, group=group)
+    def __call__(self, student_logits, batch, teacher_logits, *, normalizers, group=None, tp_group=None) -> tuple[Tensor, dict]:
+        return xtoken_kd_loss(student_logits, batch, teacher_logits, config=self.config, normalizers=normalizers,
+                              group=group, tp_group=tp_group)
 
     def __repr__(self): return f"XTokenDistillationLoss({self.config!r})"
+
+# %% ../nbs/08_losses.ipynb #a34b70a0
+class _FusedSource:
+    "Hidden states and this rank's lm_head rows: each block's logits made when needed, gradients accumulated by block."
+    def __init__(self, hidden, weight, bias, tp_group):
+        _check_fused_inputs(hidden, weight, bias)
+        self.hidden, self.weight, self.bias, self.tp_group = hidden, weight, bias, tp_group
+        self.inputs = (hidden, weight, bias)
+        self.tp_rank, self.tp_size = _tp_layout(tp_group)
+        B, T, _ = hidden.shape
+        self.stand_in = hidden.new_zeros(()).expand(B, T, weight.shape[0])  # shapes and dtype only, no storage
+        self.width, self.device = weight.shape[0] * self.tp_size, hidden.device
+
+    def block(self, blk):
+        h = self.hidden[blk.b, blk.p0:blk.p1]
+        return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[None]
+
+    def start(self):
+        accumulate = torch.promote_types(self.weight.dtype, torch.float32)
+        self.grad_hidden = torch.zeros_like(self.hidden)
+        self.grad_weight = torch.zeros_like(self.weight, dtype=accumulate)
+        self.grad_bias = None if self.bias is None else torch.zeros_like(self.bias, dtype=accumulate)
+
+    def store(self, blk, grad):
+        g, h = grad[0].to(self.weight.dtype), self.hidden[blk.b, blk.p0:blk.p1]
+        self.grad_hidden[blk.b, blk.p0:blk.p1] = g @ self.weight
+        self.grad_weight += (g.t() @ h).to(self.grad_weight.dtype)
+        if self.bias is not None: self.grad_bias += g.sum(0).to(self.grad_bias.dtype)
+
+    def finish(self):
+        if self.tp_group is not None: dist.all_reduce(self.grad_hidden, group=self.tp_group)  # every shard's share
+        grads = (self.grad_hidden, self.grad_weight.to(self.weight.dtype),
+                 None if self.bias is None else self.grad_bias.to(self.bias.dtype))
+        self.grad_hidden = self.grad_weight = self.grad_bias = None
+        return grads
+
+
+def _check_fused_inputs(hidden, weight, bias):
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a floating [B, T, H] tensor, got {getattr(hidden, 'shape', type(hidden).__name__)}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"lm_head_weight must be a [V_s, H={hidden.shape[2]}] tensor, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"lm_head_weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(f"bias must be a [{weight.shape[0]}] tensor of dtype {hidden.dtype} or None, got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)} {getattr(bias, 'dtype', '')}")
+
+# %% ../nbs/08_losses.ipynb #e3c7353c
+def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden states
+                         lm_head_weight: Tensor, # [W_s, H] lm_head rows (a vocabulary-parallel rank: its W_s / tp rows)
+                         batch, # the microbatch, as for xtoken_kd_loss
+                         teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits or a top-k IPC record
+                         *, config: XTokenLossConfig, # the loss configuration (block_size: positions per block)
+                         normalizers: GlobalNormalizers, # the step's global counts (compute_global_normalizers)
+                         bias: Tensor | None = None, # [W_s] lm_head bias (this rank's slice), or None
+                         group=None, # process group of the scores' all-reduce (None: the DP group)
+                         tp_group=None, # tensor-parallel group over which the lm_head rows are sharded (None: unsharded)
+                        ) -> tuple[Tensor, dict]:
+    "`xtoken_kd_loss` of `hidden @ lm_head_weight.T (+ bias)`, making one block of student logits at a time."
+    if not isinstance(config, XTokenLossConfig): raise TypeError(f"config must be an XTokenLossConfig, got {type(config).__name__}")
+    _check_normalizers(normalizers, config)
+    source = _FusedSource(hidden, lm_head_weight, bias, tp_group)
+    return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 
 # %% ../nbs/08_losses.ipynb #a0efc49e
 METRIC_REDUCTIONS = MappingProxyType({

@@ -1,0 +1,215 @@
+"""The blockwise loss (`XTokenLossConfig.block_size`) and the fused lm_head form (`xtoken_kd_loss_fused`) equal the
+whole-microbatch computation: loss, every metric and every gradient, for every mode and aggregation, every block size
+from one position to the whole sequence, microbatches (gradient accumulation), top-k teacher records, masked and
+empty microbatches, and chunk ids out of order (where blocks must grow).
+
+float64 agrees to 1e-10 relative; float32 to 1e-5 (the blocks sum in another order); bf16 logits give bf16
+gradients that agree to one bf16 rounding step (2**-8 relative), since both paths compute in fp32 and round once.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from xtoken_dp import losses as L
+from losses_helpers import HIDDEN, V_S, V_T, W_S, W_T, every_config, make_batch, make_logits, rows_of, write_projections, spec
+
+BLOCK_SIZES = (1, 2, 3, 7, "T")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory): return write_projections(tmp_path_factory.mktemp("blockwise_projections"))[0]
+
+
+configs = every_config
+NAMES = tuple(configs("p.pt"))
+
+
+def data_for(config, seed, dtype=torch.float64, **batch_kw):
+    n = len(config.teachers)
+    batch = make_batch(seed, teachers=n, **batch_kw)
+    student, teachers = make_logits(seed + 1, batch, dtype=dtype, teachers=n, same_vocab=config.teachers[0].mode == "topk_kl")
+    return batch, student, teachers
+
+
+def loss_grad_metrics(config, student, batch, teachers, normalizers=None, block_size=None):
+    config = dataclasses.replace(config, block_size=block_size)
+    normalizers = normalizers or L.compute_global_normalizers(batch, config)
+    logits = student.detach().clone().requires_grad_()
+    loss, metrics = L.xtoken_kd_loss(logits, batch, teachers, config=config, normalizers=normalizers)
+    loss.backward()
+    return loss.detach(), logits.grad, metrics
+
+
+def assert_equal_results(got, expected, rtol, what):
+    (loss, grad, metrics), (loss_e, grad_e, metrics_e) = got, expected
+    assert loss.dtype == loss_e.dtype and grad.dtype == grad_e.dtype, what
+    assert abs(loss.item() - loss_e.item()) <= rtol * max(1.0, abs(loss_e.item())), (what, loss.item(), loss_e.item())
+    scale = max(grad_e.abs().max().item(), 1e-30)
+    assert (grad.double() - grad_e.double()).abs().max().item() <= rtol * scale, what
+    assert set(metrics) == set(metrics_e), (what, set(metrics) ^ set(metrics_e))
+    for name, value in metrics_e.items():
+        v, e = float(metrics[name]), float(value)
+        assert abs(v - e) <= rtol * max(1.0, abs(e)), (what, name, v, e)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_blocks_equal_the_whole_microbatch_in_fp64(dense, name):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 31)
+    whole = loss_grad_metrics(config, student, batch, teachers)
+    assert whole[0].item() != 0 and whole[1].abs().sum() > 0  # a real loss with a real gradient
+    T = student.shape[1]
+    for size in BLOCK_SIZES:
+        size = T if size == "T" else size
+        assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), whole, 1e-10,
+                             f"{name}, block_size={size}")
+
+
+@pytest.mark.parametrize("name", ("pkl", "gold", "topk_kl", "alm", "uld", "sum_dynamic_weights", "averaged_logits"))
+def test_blocks_equal_the_whole_microbatch_in_fp32_and_bf16(dense, name):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 37, dtype=torch.float32)
+    for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -8)):
+        x, ts = student.to(dtype), {i: t.to(dtype) for i, t in teachers.items()}
+        whole = loss_grad_metrics(config, x, batch, ts)
+        for size in (1, 3, student.shape[1]):
+            assert_equal_results(loss_grad_metrics(config, x, batch, ts, block_size=size), whole, rtol, f"{name} {dtype} {size}")
+
+
+@pytest.mark.parametrize("name", ("pkl", "hkl", "topk_kl", "uld", "sum_pkl_gold_kappa", "select_teacher"))
+def test_gradient_accumulation_over_microbatches_matches(dense, name):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 41, B=5, masked=(1,))
+    parts = [[0, 1], [2], [3, 4]]
+    microbatches = [rows_of(batch, rows) for rows in parts]
+    norms = L.compute_global_normalizers(microbatches, config)
+    results = {}
+    for size in (None, 2):
+        total, grad = 0.0, torch.zeros_like(student)
+        for rows, mb in zip(parts, microbatches):
+            loss, g, _ = loss_grad_metrics(config, student[rows], mb, {i: t[rows] for i, t in teachers.items()}, norms, size)
+            total += loss.item()
+            grad[rows] = g
+        results[size] = total, grad
+    whole_loss = loss_grad_metrics(config, student, batch, teachers)[0].item()
+    assert abs(results[2][0] - results[None][0]) <= 1e-10 * abs(results[None][0])
+    if not config.needs_scores:  # with fixed weights the split does not change the step's loss
+        assert abs(results[2][0] - whole_loss) <= 1e-10 * abs(whole_loss)
+    torch.testing.assert_close(results[2][1], results[None][1], rtol=1e-10, atol=1e-14)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), name=st.sampled_from(NAMES), size=st.integers(1, 40))
+def test_blocks_equal_the_whole_microbatch_on_random_fixtures(dense, seed, name, size):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, seed, B=3, masked=(seed % 4,), chunks=(1, 9))
+    whole = loss_grad_metrics(config, student, batch, teachers)
+    assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), whole, 1e-10, f"{name} {size}")
+
+
+def test_chunk_ids_out_of_order_make_blocks_grow_and_still_match(dense):
+    config = configs(dense)["gold"]
+    batch, student, teachers = data_for(config, 43, B=2, masked=())
+    for key in ("alignment_0_student_chunk_id", "alignment_0_teacher_chunk_id"):  # reverse each row's real ids
+        ids = batch[key].clone()
+        for b in range(ids.shape[0]):
+            real = (ids[b] >= 0).nonzero().flatten()
+            ids[b, real] = ids[b, real].flip(0)
+        batch[key] = ids
+    whole = loss_grad_metrics(config, student, batch, teachers)
+    assert whole[2]["num_valid_chunks_t0"] > 0
+    for size in (1, 2, 5):
+        assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), whole, 1e-10, f"size {size}")
+
+
+@pytest.mark.parametrize("name", ("pkl", "alm", "sum_dynamic_weights", "select_teacher", "averaged_logits"))
+def test_masked_and_empty_microbatches_give_a_connected_zero(dense, name):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 47)
+    masked = dict(batch, sample_mask=torch.zeros_like(batch["sample_mask"]))
+    empty = rows_of(batch, slice(0, 0))
+    for mb, x, ts in ((masked, student, teachers), (empty, student[:0], {i: t[:0] for i, t in teachers.items()})):
+        norms = L.GlobalNormalizers(1.0, {i: 1.0 for i in range(len(config.teachers))})
+        for size in (None, 2):
+            loss, grad, metrics = loss_grad_metrics(config, x, mb, ts, norms, size)
+            assert loss.item() == 0 and grad.abs().sum() == 0 and metrics["num_valid_tokens"] == 0
+
+
+def test_without_a_gradient_only_the_value_is_computed(dense):
+    config = dataclasses.replace(configs(dense)["dynamic_loss_scaling"], block_size=2)
+    batch, student, teachers = data_for(config, 53)
+    norms = L.compute_global_normalizers(batch, config)
+    with_grad = loss_grad_metrics(config, student, batch, teachers, norms, 2)
+    with torch.no_grad():
+        loss, metrics = L.xtoken_kd_loss(student.requires_grad_(), batch, teachers, config=config, normalizers=norms)
+    assert not loss.requires_grad and loss.item() == with_grad[0].item()
+    plain, _ = L.xtoken_kd_loss(student.detach(), batch, teachers, config=config, normalizers=norms)
+    assert not plain.requires_grad and plain.item() == with_grad[0].item()
+
+
+def test_the_incoming_gradient_scales_the_stored_one(dense):
+    config = configs(dense)["gold"]
+    batch, student, teachers = data_for(config, 59)
+    x = student.clone().requires_grad_()
+    loss, _ = L.xtoken_kd_loss(x, batch, teachers, config=dataclasses.replace(config, block_size=3),
+                               normalizers=L.compute_global_normalizers(batch, config))
+    (2.5 * loss).backward()
+    expected = loss_grad_metrics(config, student, batch, teachers)[1]
+    torch.testing.assert_close(x.grad, 2.5 * expected, rtol=1e-10, atol=1e-14)
+
+
+def test_block_size_is_validated(dense):
+    with pytest.raises(ValueError, match="block_size: expected an int >= 1 or None, got 0"):
+        L.XTokenLossConfig(V_S, [spec("alm", dense)], block_size=0)
+    assert L.XTokenLossConfig(V_S, [spec("alm", dense)]).block_size == L.XTokenLossConfig.block_size
+
+# --------------------------------------------------------------------------------------------- fused with the lm_head
+
+
+def fused_inputs(seed, batch, dtype=torch.float64, width=W_S):
+    g = torch.Generator().manual_seed(seed)
+    B, T = batch["input_ids"].shape
+    hidden = torch.randn(B, T, HIDDEN, generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.randn(width, HIDDEN, generator=g, dtype=torch.float64).to(dtype)
+    bias = torch.randn(width, generator=g, dtype=torch.float64).to(dtype)
+    return hidden, weight, bias
+
+
+def fused_and_plain(config, batch, teachers, hidden, weight, bias, size):
+    norms = L.compute_global_normalizers(batch, config)
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    loss, metrics = L.xtoken_kd_loss_fused(leaves[0], leaves[1], batch, teachers, config=dataclasses.replace(config, block_size=size),
+                                           normalizers=norms, bias=leaves[2] if bias is not None else None)
+    fused = (loss.detach(), torch.autograd.grad(loss, leaves), metrics)
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    logits = leaves[0] @ leaves[1].T + (leaves[2] if bias is not None else 0)
+    loss, metrics = L.xtoken_kd_loss(logits, batch, teachers, config=dataclasses.replace(config, block_size=None), normalizers=norms)
+    return fused, (loss.detach(), torch.autograd.grad(loss, leaves), metrics)
+
+
+@pytest.mark.parametrize("name", ("pkl", "gold", "hkl", "topk_kl", "alm", "uld", "sum_dynamic_weights", "dynamic_loss_scaling"))
+@pytest.mark.parametrize("with_bias", (True, False))
+def test_fused_lm_head_equals_the_logits_path(dense, name, with_bias):
+    config = configs(dense)[name]
+    batch, _, teachers = data_for(config, 61)
+    hidden, weight, bias = fused_inputs(62, batch)
+    for size in (1, 4, None):
+        (loss, grads, metrics), (loss_e, grads_e, metrics_e) = fused_and_plain(config, batch, teachers, hidden, weight,
+                                                                               bias if with_bias else None, size)
+        assert abs(loss.item() - loss_e.item()) <= 1e-10 * abs(loss_e.item()), (name, size)
+        for got, expected in zip(grads, grads_e): torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+        for key, value in metrics_e.items(): assert abs(float(metrics[key]) - float(value)) <= 1e-10 * max(1, abs(float(value))), key
+
+
+def test_fused_lm_head_in_fp32(dense):
+    config = configs(dense)["gold"]
+    batch, _, teachers = data_for(config, 67, dtype=torch.float32)
+    hidden, weight, bias = fused_inputs(68, batch, torch.float32)
+    (loss, grads, _), (loss_e, grads_e, _) = fused_and_plain(config, batch, teachers, hidden, weight, bias, 3)
+    assert loss.dtype == torch.float32 and abs(loss.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
+    for got, expected in zip(grads, grads_e):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
