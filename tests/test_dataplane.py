@@ -34,11 +34,16 @@ def tq_plane(ray_session):
     assert not left, f"TransferQueue services still running after close(): {left}"
 
 
-@pytest.fixture(params=["in_process", "transfer_queue"])
+@pytest.fixture(params=["in_process", "transfer_queue", "transfer_queue_tensor_rows"])
 def plane(request):
     if request.param == "in_process":
         with InProcessDataPlane(timeout_s=WAIT_S) as p: yield p
-    else: yield request.getfixturevalue("tq_plane")
+        return
+    tq = request.getfixturevalue("tq_plane")
+    saved = tq.row_format
+    tq.row_format = "tensors" if request.param.endswith("tensor_rows") else "bytes"
+    try: yield tq
+    finally: tq.row_format = saved
 
 
 @pytest.fixture
@@ -346,3 +351,33 @@ def test_a_stale_receipt_is_refused(plane, partition):
                                                                 lengths=torch.tensor([1, 3])))
     with pytest.raises(DataPlaneError, match="row lengths differ from the receipt's group 'default'"):
         plane.get_samples(meta, ["ids"])
+
+
+def test_rows_travel_as_raw_bytes_and_reads_accept_either_format(tq_plane):
+    "Tensor fields are stored as one bytes object per row (raw values); rows stored as tensors are read back too."
+    partition = f"fmt_{uuid.uuid4().hex[:8]}"
+    tq_plane.register_partition(partition)
+    wire, schema = every_kind_batch(6)
+    meta = tq_plane.put_samples(partition, keys_for(6), wire, schema=schema)
+    raw = tq_plane.tq.kv_batch_get(keys=keys_for(6), partition_id=partition, select_fields=["zeta_ids", "reward"])
+    rows = raw.get("zeta_ids").tolist()
+    lengths = wire["zeta_ids"].offsets().diff().tolist()
+    assert [len(r) for r in rows] == [8 * n for n in lengths]
+    assert b"".join(rows) == wire["zeta_ids"].values().numpy().tobytes()
+    assert [len(r) for r in raw.get("reward").tolist()] == [4] * 6
+    saved = tq_plane.row_format
+    try:
+        tq_plane.row_format = "tensors"
+        tensor_meta = tq_plane.put_samples(partition, keys_for(6, "t"), wire, schema=schema)
+    finally:
+        tq_plane.row_format = saved
+    assert isinstance(tq_plane.tq.kv_batch_get(keys=keys_for(6, "t"), partition_id=partition,
+                                               select_fields=["zeta_ids"]).get("zeta_ids"), torch.Tensor)
+    assert_same_wire(tq_plane.get_samples(tensor_meta, schema.names), wire, schema)
+    tq_plane.clear_samples(meta)
+    tq_plane.clear_samples(tensor_meta)
+
+
+def test_row_format_is_checked_before_anything_starts():
+    with pytest.raises(ValueError, match=r"row_format: expected one of \('bytes', 'tensors'\), got 'pickle'"):
+        TransferQueueDataPlane(row_format="pickle")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import math
 import os
 import pickle
 import subprocess
@@ -32,11 +33,12 @@ from .core import check_int, offsets_of
 from .schema import FieldSpec, Schema, infer_schema, is_jagged, jagged_lengths, make_jagged
 
 # %% auto #0
-__all__ = ['DataPlaneError', 'MissingFieldsError', 'KVBatchMeta', 'concat_metas', 'rebuild_wire_batch', 'empty_wire_batch',
-           'DataPlaneOp', 'tensor_nbytes', 'DataPlaneClient', 'InProcessDataPlane', 'default_storage_units',
-           'TransferQueueDataPlane', 'column_schema', 'write_columns', 'read_columns', 'DPShards', 'row_tokens',
-           'balanced_assignment', 'shard_meta_for_dp', 'shard_balance', 'WorkerTask', 'scale_rows_task',
-           'run_task_file', 'spawn_worker', 'read_acks']
+__all__ = ['ROW_FORMATS', 'DataPlaneError', 'MissingFieldsError', 'KVBatchMeta', 'concat_metas', 'rebuild_wire_batch',
+           'empty_wire_batch', 'DataPlaneOp', 'tensor_nbytes', 'DataPlaneClient', 'InProcessDataPlane',
+           'default_storage_units', 'column_row_bytes', 'column_from_row_bytes', 'TransferQueueDataPlane',
+           'column_schema', 'write_columns', 'read_columns', 'DPShards', 'row_tokens', 'balanced_assignment',
+           'shard_meta_for_dp', 'shard_balance', 'WorkerTask', 'scale_rows_task', 'run_task_file', 'spawn_worker',
+           'read_acks']
 
 # %% ../nbs/02e_dataplane.ipynb #6be3604a
 class DataPlaneError(ValueError):
@@ -54,7 +56,9 @@ def _row_tuple(name: str, values, n: int | None = None) -> tuple[int, ...]:
     "Per-row non-negative ints as a tuple (from a list, array or tensor), checked against the row count."
     if isinstance(values, torch.Tensor): values = values.tolist()
     elif isinstance(values, np.ndarray): values = values.tolist()
-    out = tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(values))
+    out = tuple(values)
+    if not all(type(v) is int and v >= 0 for v in out):   # plain ints pass as they are; the rest is checked by name
+        out = tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(out))
     if n is not None and len(out) != n:
         raise ValueError(f"{name}: expected {n} row lengths (one per key), got {len(out)}")
     return out
@@ -81,7 +85,7 @@ def _check_tags(tags, n: int) -> tuple[dict, ...]:
     if tags is None or (isinstance(tags, (tuple, list)) and len(tags) == 0 and n > 0): return tuple({} for _ in range(n))
     tags = tuple(tags)
     if len(tags) != n: raise ValueError(f"tags: expected {n} dicts (one per key), got {len(tags)}")
-    bad = next((t for t in tags if not isinstance(t, Mapping)), None)
+    bad = next((t for t in tags if type(t) is not dict and not isinstance(t, Mapping)), None)
     if bad is not None: raise TypeError(f"tags: expected a dict per row, got {type(bad).__name__}")
     return tuple(dict(t) for t in tags)
 
@@ -597,24 +601,78 @@ def _import_transfer_queue():
     return ray, transfer_queue
 
 
-def _pickled_objects(td: TensorDictBase, schema: Schema) -> TensorDictBase:
-    "`td` with each object column replaced by one pickle per row (TransferQueue's own encoding turns tuples into lists)."
-    objects = [s.name for s in schema if s.kind == "object"]
-    if not objects: return td
-    out = td.copy()
-    for name in objects:
-        out.set(name, object_stack([pickle.dumps(x, protocol=5) for x in td.get(name).tolist()], td.batch_size[0]))
-    return out
-
-
-def _unpickled_objects(td: TensorDictBase, meta: KVBatchMeta, fields) -> dict:
-    return {f: [pickle.loads(b) for b in td.get(f).tolist()] if meta.schema[f].kind == "object" else td.get(f) for f in fields}
-
-
 def _controller_running(ray) -> bool:
     try: ray.get_actor("TransferQueueController", namespace="transfer_queue")
     except ValueError: return False
     return True
+
+# %% ../nbs/02e_dataplane.ipynb #07581ad9
+ROW_FORMATS = ("bytes", "tensors")
+
+
+def _row_width(dtype: torch.dtype, trailing: Sequence[int]) -> int:
+    "Bytes of one token of a token field, or of one row of a dense field."
+    return dtype.itemsize * math.prod(trailing)
+
+
+def column_row_bytes(leaf: torch.Tensor # a wire column: a token NJT or a dense tensor with N rows
+                    ) -> list[bytes]:
+    "One bytes object per row: the raw bytes of the row's values (dtype and shape are the receipt's to keep)."
+    values = (leaf.values() if is_jagged(leaf) else leaf).detach().cpu().contiguous()
+    width = _row_width(values.dtype, values.shape[1:])
+    bounds = leaf.offsets() if is_jagged(leaf) else torch.arange(values.shape[0] + 1)
+    bounds = (bounds.cpu() * width).tolist()
+    buf = memoryview(values.reshape(-1).view(torch.uint8).numpy())
+    return [bytes(buf[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]   # one copy per row, nothing shared
+
+
+def _leaf_items(leaf, n: int) -> list:
+    "The n row values of a non-tensor leaf the store returned."
+    if isinstance(leaf, NonTensorStack): return leaf.tolist()
+    if isinstance(leaf, NonTensorData): return list(leaf.data) if isinstance(leaf.data, list) else [leaf.data] * n
+    return list(leaf)
+
+
+def column_from_row_bytes(spec: FieldSpec, # the field's declaration in the receipt
+                          items: Sequence[bytes], # one bytes object per row, as `column_row_bytes` made them
+                          rows: Sequence[int] | None = None, # token fields: each row's length from the receipt
+                         ) -> torch.Tensor:
+    "The values of a column from its per-row bytes, every row's size checked against the receipt first."
+    if spec.dtype is None: raise DataPlaneError(f"field {spec.name!r}: the receipt declares no dtype, so its stored bytes cannot be read")
+    trailing = tuple(spec.trailing_shape or ())
+    width = _row_width(spec.dtype, trailing)
+    got = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+    want = np.asarray(rows if rows is not None else [1] * len(items), dtype=np.int64) * width
+    if got.shape != want.shape or not np.array_equal(got, want):
+        if spec.kind == "token":
+            raise DataPlaneError(f"field {spec.name!r}: the store's row lengths differ from the receipt's group {spec.group!r}")
+        raise DataPlaneError(f"field {spec.name!r}: expected {len(want)} rows of {width} bytes, the store returned sizes {got[:8].tolist()}")
+    buf = bytearray().join(items)
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return flat.view(spec.dtype).reshape(-1, *trailing)
+
+# %% ../nbs/02e_dataplane.ipynb #00fb0439
+def _store_columns(td: TensorDictBase, schema: Schema, row_format: str) -> TensorDictBase:
+    "What the adapter hands TransferQueue: per-row bytes for tensor fields (or the tensors), per-row pickles for objects."
+    n, out = td.batch_size[0], {}
+    for spec in schema:
+        leaf = td.get(spec.name)
+        if spec.kind == "object": rows = [pickle.dumps(x, protocol=5) for x in leaf.tolist()]
+        elif row_format == "bytes": rows = column_row_bytes(leaf)
+        else: out[spec.name] = leaf; continue
+        out[spec.name] = NonTensorStack.from_list(rows)
+    return TensorDict(out, batch_size=[n])
+
+
+def _fetched_columns(td: TensorDictBase, meta: KVBatchMeta, fields) -> dict:
+    "The store's answer as `rebuild_wire_batch` reads it: objects unpickled, tensor fields from their bytes or as stored."
+    n, out = len(meta), {}
+    for name in fields:
+        spec, leaf = meta.schema[name], td.get(name)
+        if spec.kind == "object": out[name] = [pickle.loads(b) for b in _leaf_items(leaf, n)]
+        elif isinstance(leaf, torch.Tensor): out[name] = leaf   # written as tensor rows
+        else: out[name] = column_from_row_bytes(spec, _leaf_items(leaf, n), meta.seqlens[spec.group] if spec.kind == "token" else None)
+    return out
 
 # %% ../nbs/02e_dataplane.ipynb #e1c672b7
 class TransferQueueDataPlane(DataPlaneClient):
@@ -625,12 +683,15 @@ class TransferQueueDataPlane(DataPlaneClient):
                  storage_units: int | None = None, # storage units to start (None: `default_storage_units`)
                  num_cpus: int | None = None, # CPUs of a Ray started here (None: this machine's, at least 4)
                  request_timeout_s: float = 120.0, # the longest one request to TransferQueue may take
+                 row_format: str = "bytes", # how tensor rows are stored: "bytes" (raw values) or "tensors"
                  **kwargs, # `DataPlaneClient` options: timeout_s, poll_s, on_op
                 ):
         super().__init__(**kwargs)
         if not isinstance(bootstrap, bool): raise TypeError(f"bootstrap: expected a bool, got {type(bootstrap).__name__}")
         if isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, (int, float)) or request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s: expected a number > 0, got {request_timeout_s!r}")
+        if row_format not in ROW_FORMATS: raise ValueError(f"row_format: expected one of {ROW_FORMATS}, got {row_format!r}")
+        self.row_format, self._ready = row_format, None
         self.request_timeout_s, self.calls = float(request_timeout_s), ThreadPoolExecutor(1, thread_name_prefix="xtoken_dp-tq")
         self.ray, self.tq = _import_transfer_queue()
         self.bootstrap, self.owns_ray = bootstrap, False
@@ -676,7 +737,9 @@ class TransferQueueDataPlane(DataPlaneClient):
 
     def _has(self, partition_id, keys, fields) -> bool:
         bm = self._meta_of(partition_id, keys)
-        return bm.size == len(keys) and set(fields) <= set(bm.field_names)
+        found = bm.size == len(keys) and set(fields) <= set(bm.field_names)
+        self._ready = (partition_id, keys, bm) if found else None   # the read that follows needs no second lookup
+        return found
 
     def _missing(self, partition_id, keys, fields) -> dict[str, list[str]]:
         missing = {f: [] for f in fields}
@@ -688,14 +751,18 @@ class TransferQueueDataPlane(DataPlaneClient):
 
     def _store(self, partition_id, keys, td, schema, tags):
         self._call("kv_batch_put", self.tq.kv_batch_put, keys=list(keys), partition_id=partition_id,
-                   fields=_pickled_objects(td, schema), tags=list(tags) if any(tags) else None)
+                   fields=_store_columns(td, schema, self.row_format), tags=list(tags) if any(tags) else None)
 
     def _fetch(self, meta, fields) -> TensorDict:
-        bm = self._meta_of(meta.partition_id, meta.keys)
-        if bm.size != len(meta):
-            raise MissingFieldsError(f"partition {meta.partition_id!r}: keys vanished while reading", fields, meta.keys)
-        td = self._call("get_data", self.client.get_data, metadata=bm.select_fields(list(fields)))
-        return _unpickled_objects(td, meta, fields)
+        ready, self._ready = self._ready, None
+        bm = ready[2] if ready is not None and ready[:2] == (meta.partition_id, meta.keys) else self._meta_of(meta.partition_id, meta.keys)
+        if bm.size != len(meta) or not set(fields) <= set(bm.field_names):
+            raise MissingFieldsError(f"partition {meta.partition_id!r}: keys or fields vanished while reading", fields, meta.keys)
+        # a receipt of the fields read, built directly: `select_fields` deep-copies every row's tags and shapes
+        selected = self.tq.BatchMeta(global_indexes=bm.global_indexes, partition_ids=bm.partition_ids,
+                                     field_schema={f: bm.field_schema[f] for f in fields}, production_status=bm.production_status)
+        td = self._call("get_data", self.client.get_data, metadata=selected)
+        return _fetched_columns(td, meta, fields)
 
     def _delete(self, partition_id, keys): self._call("kv_clear", self.tq.kv_clear, keys=list(keys), partition_id=partition_id)
 

@@ -20,7 +20,7 @@ from ..codec import pack_jagged_fields
 from ..dataplane import TransferQueueDataPlane, tensor_nbytes
 
 # %% auto #0
-__all__ = ['FULL_CASE', 'QUICK_CASE', 'wire_batch', 'measure', 'result_rows', 'check_target', 'run']
+__all__ = ['FULL_CASE', 'QUICK_CASE', 'wire_batch', 'with_row_format', 'measure', 'result_rows', 'check_target', 'run']
 
 # %% ../../nbs/12i_bench_dataplane.ipynb #f6ecc703
 FULL_CASE = Case("long-tail 512x4096", 512, 4096, targets=True)
@@ -31,6 +31,13 @@ def wire_batch(case: Case) -> tuple:
     "The case's wire batch (token fields only) and their names."
     columns, lengths, schema, names = case_data(case)
     return pack_jagged_fields({k: columns[k] for k in names}, lengths=lengths), names
+
+
+def with_row_format(plane: TransferQueueDataPlane, row_format: str, fn):
+    "`fn()` with the plane storing tensor rows as `row_format`, then the plane's own format again."
+    saved, plane.row_format = plane.row_format, row_format
+    try: return fn()
+    finally: plane.row_format = saved
 
 
 def measure(plane: TransferQueueDataPlane, # a bootstrapped plane (its Ray is the baseline's)
@@ -47,6 +54,8 @@ def measure(plane: TransferQueueDataPlane, # a bootstrapped plane (its Ray is th
     fns = {"transferqueue put+get": lambda: plane.get_samples(plane.put_samples(part, keys, wire), names),
            "transferqueue put": lambda: plane.put_samples(part, keys, wire),
            "transferqueue get": lambda: plane.get_samples(meta, names),
+           "transferqueue put+get, tensor rows": lambda: with_row_format(plane, "tensors", lambda: plane.get_samples(
+               plane.put_samples(part, keys, wire), names)),
            "transferqueue raw put+get": lambda: (tq.kv_batch_put(keys=keys, partition_id=part, fields=wire),
                                                  tq.kv_batch_get(keys=keys, partition_id=part, select_fields=names)),
            "ray put+get": lambda: ray.get(ray.put(wire)),
