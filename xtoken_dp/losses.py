@@ -37,14 +37,14 @@ from .caches import build_exact_token_map, clear_caches, get_sparse_projection_m
 from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
-__all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS', 'METRIC_REDUCTIONS',
-           'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM',
-           'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack',
-           'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec',
-           'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses',
-           'teacher_weights', 'combine_losses', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
-           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
-           'get_topk_projection']
+__all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS', 'AUTO_WHOLE_BYTES',
+           'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs',
+           'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group',
+           'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean',
+           'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
+           'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights', 'combine_losses',
+           'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
+           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -433,7 +433,7 @@ class XTokenLossConfig:
     alpha: float = 1.0  # sharpness of dynamic weights softmax(alpha·score)
     sum_weights_metric: str | None = None  # sum: None (static weights), "ce", "entropy" or "max_prob"
     reference_formulas: bool = False  # the reference loss implementation's per-chunk formulas (values can be negative)
-    block_size: int | None = 64  # student positions per block of the loss (None: the whole microbatch at once)
+    block_size: int | str | None = "auto"  # student positions per block; "auto": by the logits' size (resolve_block_size); None: whole
 
     def __post_init__(self): _validate_config(self)
 
@@ -497,7 +497,9 @@ def _validate_config(cfg):
     put("uncommon_weight", _check_float("uncommon_weight", cfg.uncommon_weight, nonnegative=True))
     put("alm_tau", _check_float("alm_tau", cfg.alm_tau, positive=True))
     put("uld_topk", check_int("uld_topk", cfg.uld_topk, minimum=1, optional=True))
-    put("block_size", check_int("block_size", cfg.block_size, minimum=1, optional=True))
+    if isinstance(cfg.block_size, str) and cfg.block_size != "auto":
+        raise ValueError(f"block_size: expected an int >= 1, 'auto' or None, got {cfg.block_size!r}")
+    if cfg.block_size != "auto": put("block_size", check_int("block_size", cfg.block_size, minimum=1, optional=True))
     for name in ("uld_student_temperature", "uld_teacher_temperature"):
         put(name, _check_float(name, getattr(cfg, name), positive=True))
     for name in ("kl_loss_weight", "ce_loss_scale", "alpha"): put(name, _check_float(name, getattr(cfg, name)))
@@ -1257,6 +1259,23 @@ def _sample_blocks(b, T, cuts, size):
         start = end
     return blocks
 
+# %% ../nbs/08_losses.ipynb #a5ee8578
+AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this many bytes are computed whole
+AUTO_BLOCKS = 64  # block_size="auto": about this many blocks per microbatch above AUTO_WHOLE_BYTES
+AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
+
+
+def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
+                       batch: int, # B, samples in the microbatch
+                       seq_len: int, # T_s, student positions per sample
+                       width: int, # W_s, the student logits' full width (all tensor-parallel shards)
+                       itemsize: int, # bytes per logit
+                      ) -> int | None:
+    "Student positions per block for these logits (None: compute the microbatch whole)."
+    if block_size != "auto": return block_size
+    if batch * seq_len * width * itemsize <= AUTO_WHOLE_BYTES: return None
+    return min(max(math.ceil(batch * seq_len / AUTO_BLOCKS), AUTO_MIN_POSITIONS), max(seq_len, 1))
+
 # %% ../nbs/08_losses.ipynb #2bfee18f
 def _columns_by_rows(rows_of, voters, shape, k, scope, step):
     "`_teacher_columns` of logits read `step` rows at a time: `rows_of(b, q0, q1)` gives `[1, q1 - q0, >= V]`."
@@ -1537,7 +1556,11 @@ def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >
     "Cross-tokenizer distillation loss of one microbatch: `(loss, metrics)`, normalised by the step's global counts."
     if not isinstance(config, XTokenLossConfig): raise TypeError(f"config must be an XTokenLossConfig, got {type(config).__name__}")
     _check_normalizers(normalizers, config)
-    if config.block_size is not None or tp_group is not None:
+    B, T, W = student_logits.shape if student_logits.dim() == 3 else (0, 0, 0)  # a wrong shape is refused further on
+    size = resolve_block_size(config.block_size, B, T, W * _tp_layout(tp_group)[1],
+                              student_logits.element_size())
+    if size is not None or tp_group is not None:
+        config = dataclasses.replace(config, block_size=size or max(T, 1))
         return _blockwise_loss(_LogitsSource(student_logits, tp_group), batch, teacher_logits, config, normalizers, group)
     with torch.autocast(device_type=student_logits.device.type, enabled=False):
         mb = _Microbatch(student_logits, batch, config)
@@ -1633,6 +1656,10 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     if not isinstance(config, XTokenLossConfig): raise TypeError(f"config must be an XTokenLossConfig, got {type(config).__name__}")
     _check_normalizers(normalizers, config)
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group)
+    B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
+    W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size())
+    config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 
 # %% ../nbs/08_losses.ipynb #a0efc49e
