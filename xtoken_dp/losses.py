@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import re
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -169,14 +170,33 @@ def _check_sparse_mm(sparse_M, dense):
                          f"got {list(dense.shape)}")
 
 
-def _sparse_mm(A, D):
-    "`A·D` for a sparse COO `A` and a dense `D`; a transposed row-major `D` goes through a CSR kernel, read in place."
-    if D.shape[1] > 1 and not D.is_contiguous() and D.t().is_contiguous():
+_LAST = threading.local()  # per thread: the last sparse matrix converted or column-selected, and the result
+
+
+def _remembered(purpose, matrix, key, compute):
+    "`compute()`, or its result for the same `matrix` object and an equal `key` tensor last time (blocks reuse one matrix)."
+    last = getattr(_LAST, purpose, None)
+    if last is not None and last[0] is matrix and (key is None or (last[1].shape == key.shape and torch.equal(last[1], key))):
+        return last[2]
+    result = compute()
+    setattr(_LAST, purpose, (matrix, key, result))
+    return result
+
+
+def _csr(M, transpose):
+    "`M` (or `Mᵀ`) of a sparse COO `M` in CSR layout, converted once for the blocks that multiply by it in turn."
+    def convert():
         with warnings.catch_warnings():  # torch flags its CSR layout as beta on first use; the product is checked below
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-            A_csr = A.t().to_sparse_csr()
-        return (D.t() @ A_csr).t()
-    return torch.sparse.mm(A, D.contiguous())
+            return (M.t() if transpose else M).to_sparse_csr()
+    return _remembered("csr_t" if transpose else "csr", M, None, convert)
+
+
+def _sparse_mm(A, D, *, transpose=False):
+    "`op(A)·D` for a sparse COO `A` (`op`: `Aᵀ` if `transpose`) and a dense `D`; a transposed row-major `D` goes through CSR, read in place."
+    if D.shape[1] > 1 and not D.is_contiguous() and D.t().is_contiguous():
+        return (D.t() @ _csr(A, not transpose)).t()  # op(A)·D = (Dᵀ·op(A)ᵀ)ᵀ
+    return torch.sparse.mm(A.t() if transpose else A, D.contiguous())
 
 
 class Fp32SparseMM(torch.autograd.Function):
@@ -187,7 +207,7 @@ class Fp32SparseMM(torch.autograd.Function):
         dtype = torch.float64 if dense.dtype == torch.float64 else torch.float32
         with torch.autocast(device_type=dense.device.type, enabled=False):
             matrix = sparse_M.to(dtype)
-            out = _sparse_mm(matrix.t(), dense.to(dtype))
+            out = _sparse_mm(matrix, dense.to(dtype), transpose=True)
         ctx.save_for_backward(matrix)
         ctx.dense_dtype = dense.dtype
         return out
@@ -871,9 +891,10 @@ def _project(M, probs, cols):
     if B == 0: return probs.new_zeros((0, T, k))
     full = k == M.shape[1]
     if full or bool((cols == cols[:1]).all()):
-        matrix = M if full else select_projection_columns(M, cols[0])
+        matrix = M if full else _remembered("columns", M, cols[0], lambda: select_projection_columns(M, cols[0]))
         return Fp32SparseMM.apply(matrix, probs.reshape(B * T, V).transpose(0, 1)).transpose(0, 1).reshape(B, T, k)
-    return torch.stack([Fp32SparseMM.apply(select_projection_columns(M, cols[b]), probs[b].transpose(0, 1)).transpose(0, 1)
+    return torch.stack([Fp32SparseMM.apply(_remembered("columns", M, cols[b], lambda: select_projection_columns(M, cols[b])),
+                                           probs[b].transpose(0, 1)).transpose(0, 1)
                         for b in range(B)])
 
 
@@ -1616,10 +1637,11 @@ class _FusedSource:
         self.grad_bias = None if self.bias is None else torch.zeros_like(self.bias, dtype=accumulate)
 
     def store(self, blk, grad):
-        g, h = grad[0].to(self.weight.dtype), self.hidden[blk.b, blk.p0:blk.p1]
-        self.grad_hidden[blk.b, blk.p0:blk.p1] = g @ self.weight
-        self.grad_weight += (g.t() @ h).to(self.grad_weight.dtype)
-        if self.bias is not None: self.grad_bias += g.sum(0).to(self.grad_bias.dtype)
+        g, h = grad[0], self.hidden[blk.b, blk.p0:blk.p1]
+        self.grad_hidden[blk.b, blk.p0:blk.p1] = g.to(self.weight.dtype) @ self.weight
+        acc = self.grad_weight.dtype  # accumulated in place: no [V_s, H] temporary per block
+        self.grad_weight.addmm_(g.t().to(acc), h.detach().to(acc))
+        if self.bias is not None: self.grad_bias += g.sum(0).to(acc)
 
     def finish(self):
         if self.tp_group is not None: dist.all_reduce(self.grad_hidden, group=self.tp_group)  # every shard's share
