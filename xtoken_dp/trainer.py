@@ -208,7 +208,8 @@ def _dp_worker(rank: int, world_size: int, port: int, build: Callable, out_dir: 
     trainer = build()
     trainer.train()
     state = {name: value.detach().cpu().clone() for name, value in trainer.model.state_dict().items()}
-    torch.save(dict(log_history=trainer.state.log_history, state_dict=state), Path(out_dir) / f"rank{rank}.pt")
+    torch.save(state, Path(out_dir) / f"rank{rank}.pt")  # tensors only: read back with weights_only=True
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(trainer.state.log_history, default=float))
 
 
 def train_data_parallel(build: Callable[[], Trainer], # picklable (module-level) function that builds the trainer
@@ -224,7 +225,8 @@ def train_data_parallel(build: Callable[[], Trainer], # picklable (module-level)
     out_dir.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_dp_worker, args=(world_size, _free_port(), build, str(out_dir), threads), nprocs=world_size,
                        start_method="spawn")
-    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    return [dict(log_history=json.loads((out_dir / f"rank{rank}.json").read_text()),
+                 state_dict=torch.load(out_dir / f"rank{rank}.pt", weights_only=True)) for rank in range(world_size)]
 
 # %% ../nbs/10a_trainer.ipynb #afcaa028
 LOSS_CONFIG_NAME = "xtoken_loss_config.json"  # the loss configuration, saved next to the model
