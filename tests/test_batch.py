@@ -30,6 +30,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from xtoken_dp.batch import (MANIFEST_NAME, BatchDirectoryError, DataProto, DataProtoDataset, DataProtoItem,
                              DistillBatch, RewardData, TeacherSeq, TokenSeq, collate_data_protos, ragged_cat,
                              ragged_index, ragged_repeat, ragged_slice, ray_get, ray_put, transport_probe_worker)
+from batch_helpers import rows_of
 from xtoken_dp.codec import materialize, object_array
 from xtoken_dp.schema import AlignmentBatch, FieldSpec, Schema, is_jagged, lengths_to_offsets, make_jagged
 
@@ -95,16 +96,6 @@ def build(rows: list[dict], schema: bool = False, meta=None) -> DataProto:
     leaves["extra"] = torch.stack([r["extra"] for r in rows]) if rows else torch.empty(0, 3, dtype=torch.int64)
     return DataProto(TensorDict(leaves, batch_size=[n]), {"uid": object_array(r["uid"] for r in rows)},
                      {"temperature": 0.7} if meta is None else meta, schema=SCHEMA if schema else None)
-
-
-def rows_of(dp: DataProto) -> list[dict]:
-    "Rows read back one at a time through torch's own NJT indexing (independent of the kernels under test)."
-    out = []
-    for i in range(len(dp)):
-        row = {k: dp.batch.get(k)[i] for k in dp.batch.keys()} if dp.batch is not None else {}
-        row.update({k: v[i] for k, v in dp.non_tensor_batch.items()})
-        out.append(row)
-    return out
 
 
 def assert_rows(dp: DataProto, expected: list[dict]):

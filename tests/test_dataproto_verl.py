@@ -13,6 +13,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from xtoken_dp.batch import (AUTO_PADDING_KEY, DataProto, DataProtoFuture, all_gather_data_proto,
                              all_gather_probe_worker, fold_batch_dim, pad_dataproto_to_divisor, ray_put,
                              unfold_batch_dim, unpad_dataproto)
+from batch_helpers import rows_of
 from xtoken_dp.codec import LengthsError, object_array
 from xtoken_dp.schema import FieldSpec, Schema, lengths_to_offsets, make_jagged
 
@@ -56,16 +57,6 @@ def build(rows: list[dict], schema: bool = False, meta=None) -> DataProto:
     leaves["extra"] = torch.stack([r["extra"] for r in rows]) if rows else torch.empty(0, 4, dtype=torch.int64)
     return DataProto(TensorDict(leaves, batch_size=[len(rows)]), {"uid": object_array(r["uid"] for r in rows)},
                      {"temperature": 0.7} if meta is None else meta, schema=SCHEMA if schema else None)
-
-
-def rows_of(dp: DataProto) -> list[dict]:
-    "Rows read one at a time through torch's own NJT indexing."
-    out = []
-    for i in range(len(dp)):
-        row = {k: dp.batch.get(k)[i] for k in dp.batch.keys()} if dp.batch is not None else {}
-        row.update({k: v[i] for k, v in dp.non_tensor_batch.items()})
-        out.append(row)
-    return out
 
 
 def same(a, b) -> bool:
