@@ -74,7 +74,11 @@ def test_a_few_steps_reduce_the_loss(parts, tmp_path):
                             learning_rate=1e-2)
     trainer.train()
     losses = _losses(trainer)
-    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
+    ce = [h["ce_loss"] for h in trainer.state.log_history if "ce_loss" in h]
+    # The KD term has a floor far above zero (the teacher is random), so the bars are on the drop, not a ratio:
+    # 8 Adam steps take about 1.7 nats off the total and 1.3 off the CE term.
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
+    assert ce[-1] < ce[0] - 0.8 and all(b < a for a, b in zip(losses, losses[1:])), (losses, ce)
     teacher = parts["teacher"]
     assert not teacher.training and all(not p.requires_grad and p.grad is None for p in teacher.parameters())
 
