@@ -234,7 +234,8 @@ def odd_values(draw):
                                  if not isinstance(scalar, float) else {}]))
 
 
-KEYS = ["indices", "likelihoods", "exact_student_ids", "student_vocab_size", "teacher_vocab_size", "builder", "report"]
+KEYS = ["indices", "likelihoods", "exact_student_ids", "student_vocab_size", "teacher_vocab_size", "builder", "report",
+        "canonical_student_ids"]
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -297,8 +298,8 @@ def test_sparse_matrix_equals_dense_reference(tmp_path, data, extra_s, extra_t, 
 
 
 def exact_map_reference(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
-                        tol=1e-6, threshold=0.6, certified=None):
-    "The strict and relaxed exact-map rules transcribed row by row, in plain Python."
+                        tol=1e-6, threshold=0.6, certified=None, canonical=None):
+    "The strict and relaxed exact-map rules transcribed row by row, in plain Python (canonical rows win collisions)."
     winners = {}
     for s, (ids, ws) in enumerate(zip(indices.tolist(), likelihoods.tolist())):
         live = [(w if t >= 0 else 0.0) for t, w in zip(ids, ws)]
@@ -311,10 +312,11 @@ def exact_map_reference(indices, likelihoods, *, xtoken_loss, teacher_vocab_size
             ok = w1 >= 1 - tol and all(w <= tol for j, w in enumerate(live) if j != j1)
             if certified is not None: ok = ok and s in certified
         if not ok or not (0 <= t1 < teacher_vocab_size): continue
+        preferred = canonical is not None and s in canonical
         best = winners.get(t1)
-        if best is None: winners[t1] = (s, w1)
-        elif xtoken_loss and w1 > best[1]: winners[t1] = (s, w1)
-    pairs = sorted((s, t) for t, (s, _) in winners.items())
+        if best is None or (preferred and not best[2]): winners[t1] = (s, w1, preferred)
+        elif preferred == best[2] and xtoken_loss and w1 > best[1]: winners[t1] = (s, w1, preferred)
+    pairs = sorted((s, t) for t, (s, _, _) in winners.items())
     n_s = max(indices.shape[0], student_vocab_size or 0)
     common_s, common_t = [s for s, _ in pairs], [t for _, t in pairs]
     return [common_s, common_t, [s for s in range(n_s) if s not in set(common_s)],
@@ -323,16 +325,20 @@ def exact_map_reference(indices, likelihoods, *, xtoken_loss, teacher_vocab_size
 
 @settings(max_examples=EXAMPLES * 2, deadline=None)
 @given(data=dense_files(), xtoken_loss=st.booleans(), v_t=st.integers(0, 12), v_s=st.none() | st.integers(0, 15),
-       certified=st.none() | st.sets(st.integers(0, 12), max_size=6))
-def test_exact_map_matches_row_by_row_reference(data, xtoken_loss, v_t, v_s, certified):
+       certified=st.none() | st.sets(st.integers(0, 12), max_size=6),
+       canonical=st.none() | st.sets(st.integers(0, 12), max_size=6))
+def test_exact_map_matches_row_by_row_reference(data, xtoken_loss, v_t, v_s, certified, canonical):
     indices, likelihoods = data
     expected = exact_map_reference(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=v_t,
-                                   student_vocab_size=v_s, certified=None if xtoken_loss else certified)
+                                   student_vocab_size=v_s, certified=None if xtoken_loss else certified,
+                                   canonical=canonical)
     ids = None if certified is None else torch.tensor(sorted(certified), dtype=torch.long)
+    preferred = None if canonical is None else torch.tensor(sorted(canonical), dtype=torch.long)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = exact_token_map_from_topk(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=v_t,
-                                           student_vocab_size=v_s, allow_empty=True, exact_student_ids=ids)
+                                           student_vocab_size=v_s, allow_empty=True, exact_student_ids=ids,
+                                           canonical_student_ids=preferred)
     got = [result[k].tolist() for k in ("common_student", "common_teacher", "uncommon_student", "uncommon_teacher")]
     assert got == expected
     assert [w.category for w in caught] == ([RuntimeWarning] if not expected[0] else [])

@@ -26,7 +26,7 @@ def row_of(build, s, teacher):
 
 
 def same(a, b):
-    for name in ("indices", "likelihoods", "exact_student_ids"):
+    for name in ("indices", "likelihoods", "exact_student_ids", "canonical_student_ids"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     strip = lambda m: {**m, "report": {k: v for k, v in m["report"].items() if k not in ("phase_seconds", "peak_rss_bytes")}}
     assert strip(a.metadata) == strip(b.metadata)
@@ -76,24 +76,41 @@ def test_exact_rows_are_byte_identical_tokens(digit_pair):
     assert expected <= set(build.exact_student_ids.tolist())
 
 
-def test_specials_without_counterpart_get_empty_rows(digit_pair):
+def test_specials_pair_by_role_then_by_string(digit_pair):
     student, teacher = digit_pair
     build = build_projection(student, teacher, progress=False)
     roles = special_token_roles(student)
     pads = [s for s, r in roles.items() if r[0] == "pad"]
     assert pads, "toy tokenizers declare a <pad> special"
-    for s in pads:
-        assert (build.indices[s] == -1).all() and (build.likelihoods[s] == 0).all()
-        assert {"student": s, "roles": list(roles[s])} in build.report.unpaired_student_specials
-        assert s in build.report.empty_row_ids_head
-    eos = [s for s, r in roles.items() if r[0] == "eos"]
     paired = {p["student"]: p for p in build.report.special_pairs}
-    assert all(paired[s]["role"] == "eos" for s in eos)
+    for s in pads:   # no role pairs a pad, but the teacher has the very same <pad>: an exact row by string
+        t = teacher.convert_tokens_to_ids(student.convert_ids_to_tokens(s))
+        assert t in special_token_roles(teacher)
+        assert paired[s] == {"role": "pad", "student": s, "teacher": t, "by": "string"}
+        assert build.indices[s].tolist() == [t, -1, -1, -1] and build.likelihoods[s].tolist() == [1.0, 0.0, 0.0, 0.0]
+        assert s in build.exact_student_ids.tolist() and s in build.canonical_student_ids.tolist()
+    assert build.report.unpaired_student_specials == []
+    eos = [s for s, r in roles.items() if r[0] == "eos"]
+    assert all(paired[s]["role"] == "eos" and paired[s]["by"] == "role" for s in eos)
     # no teacher special in a content row
     teacher_specials = torch.tensor(sorted(special_token_roles(teacher)))
     content = torch.ones(len(student), dtype=torch.bool)
     content[torch.tensor(sorted(roles))] = False
     assert not torch.isin(build.indices[content], teacher_specials).any()
+
+
+def test_specials_without_counterpart_get_empty_rows(digit_pair):
+    "A Unigram student's <unk>: no teacher special has its role or its string."
+    _, teacher = digit_pair
+    student = train_toy_tokenizer("unigram_metaspace", vocab_size=700)
+    build = build_projection(student, teacher, progress=False)
+    roles = special_token_roles(student)
+    unk = [s for s, r in roles.items() if r[0] == "unk"]
+    assert unk, "the Unigram toy tokenizer declares an <unk> special"
+    for s in unk:
+        assert (build.indices[s] == -1).all() and (build.likelihoods[s] == 0).all()
+        assert {"student": s, "roles": list(roles[s])} in build.report.unpaired_student_specials
+        assert s in build.report.empty_row_ids_head
 
 
 def test_no_pairing_and_no_exact(digit_pair):
@@ -148,6 +165,7 @@ def test_canonical_bytes_on_the_real_pair(mistral_pair, mistral_build):
     assert the in mistral_build.exact_student_ids.tolist()
     pairs = {p["role"]: (p["student"], p["teacher"]) for p in mistral_build.report.special_pairs}
     assert pairs["bos"] == (spm.bos_token_id, tekken.bos_token_id) == (1, 1)
+    assert {p["by"] for p in mistral_build.report.special_pairs} == {"role"}
     assert pairs["eos"] == (spm.eos_token_id, tekken.eos_token_id) == (2, 2)
     mistral_build.report.check()
     assert mistral_build.report.empty_rows == 0
@@ -180,6 +198,7 @@ def build_in_subprocess(student, teacher, threads, out, batch_size=4096):
 def assert_same_files(a, b):
     assert torch.equal(a.indices, b.indices) and torch.equal(a.likelihoods, b.likelihoods)
     assert torch.equal(a.exact_student_ids, b.exact_student_ids)
+    assert torch.equal(a.canonical_student_ids, b.canonical_student_ids)
     strip = lambda m: {**m, "report": {k: v for k, v in m["report"].items() if k not in ("phase_seconds", "peak_rss_bytes")}}
     assert strip(a.metadata) == strip(b.metadata)
 

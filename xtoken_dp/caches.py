@@ -105,7 +105,7 @@ def get_sparse_projection_matrix(
 def _topk_entry(path, device):
     def fill(realpath, device):
         dense = load_dense_projection(realpath)
-        return (dense.indices.to(device), dense.likelihoods.to(device)), dense.exact_student_ids
+        return (dense.indices.to(device), dense.likelihoods.to(device)), (dense.exact_student_ids, dense.canonical_student_ids)
     return _cached(_TOPK_PROJECTION_CACHE, path, device, (), fill)
 
 def get_topk_projection(
@@ -137,7 +137,8 @@ def build_exact_token_map(
         return exact_token_map_parts(*topk.value, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
                                       student_vocab_size=student_vocab_size, exact_tolerance=exact_tolerance,
                                       relaxed_threshold=relaxed_threshold, source=realpath,
-                                      exact_student_ids=None if xtoken_loss else topk.extra)
+                                      exact_student_ids=None if xtoken_loss else topk.extra[0],
+                                      canonical_student_ids=topk.extra[1])
     entry = _cached(_EXACT_TOKEN_MAP_CACHE, path, device, params, fill)
     refuse_empty_exact_map(entry.extra, allow_empty)
     return entry.value

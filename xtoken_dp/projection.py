@@ -21,11 +21,12 @@ from .core import check_int
 
 # %% auto #0
 __all__ = ['DenseProjection', 'DEFAULT_ROLE_EQUIVALENCE', 'UNPAIRED_ROLES', 'FAITHFUL', 'APPROXIMATE', 'UNMAPPED', 'STATUS_NAMES',
-           'Reencoding', 'UnsafeProjectionFileError', 'load_projection_object', 'ProjectionFileError',
-           'projection_format', 'check_dense_arrays', 'check_projection_metadata', 'load_dense_projection',
-           'read_projection_metadata', 'parse_projection_file', 'check_vocab_size', 'sparse_projection_from_coo',
-           'exact_token_map_parts', 'refuse_empty_exact_map', 'exact_token_map_from_topk', 'PieceVocabulary',
-           'single_byte_tokens', 'pair_special_tokens', 'exact_byte_matches', 'reencode', 'geometric_weights',
+           'Reencoding', 'PROJECTION_FORMAT_VERSION', 'UnsafeProjectionFileError', 'load_projection_object',
+           'ProjectionFileError', 'projection_format', 'check_dense_arrays', 'check_projection_metadata',
+           'load_dense_projection', 'read_projection_metadata', 'parse_projection_file', 'check_vocab_size',
+           'sparse_projection_from_coo', 'exact_token_map_parts', 'refuse_empty_exact_map', 'exact_token_map_from_topk',
+           'PieceVocabulary', 'single_byte_tokens', 'pair_special_tokens', 'pair_specials_by_string',
+           'exact_byte_matches', 'same_string_matches', 'canonical_rows', 'reencode', 'geometric_weights',
            'accumulate_triplets', 'sort_and_cut', 'projection_invariant_violations', 'ProjectionReport',
            'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder', 'as_piece_vocabulary', 'ProjectionBuild',
            'specials_and_exact', 'build_projection', 'default_report_path', 'build_projection_file',
@@ -167,7 +168,8 @@ def check_dense_arrays(
     return indices, likelihoods
 
 # %% ../nbs/05_projection.ipynb #5eaceea9
-DenseProjection = namedtuple("DenseProjection", "indices likelihoods exact_student_ids metadata")
+DenseProjection = namedtuple("DenseProjection", "indices likelihoods exact_student_ids metadata canonical_student_ids",
+                             defaults=(None,))
 DenseProjection.__doc__ = "A validated dense top-k projection: tensors on CPU plus the file's non-tensor metadata."
 
 _LEGACY_METADATA_ALIASES = {"model_A_id": "student_model_id", "model_B_id": "teacher_model_id"}
@@ -179,22 +181,39 @@ def _metadata_of(obj):
         if legacy in meta and name not in meta: meta[name] = meta[legacy]
     return meta
 
-def _exact_student_ids_of(obj, path, v_rows):
-    "The file's certified exact rows as int64, each one a row of the file (None when it lists none)."
-    ids = obj.get("exact_student_ids")
+def _row_ids_of(obj, key, path, v_rows):
+    "The file's list of row ids under `key` as int64, each one a row of the file (None when the key is absent)."
+    ids = obj.get(key)
     if ids is None: return None
     expected = f"a 1-D integer tensor of row ids in [0, {v_rows})"
     if isinstance(ids, (list, tuple)):
         try: ids = torch.tensor(ids, dtype=torch.int64).reshape(-1)
         except (TypeError, ValueError, RuntimeError, OverflowError):
-            raise ProjectionFileError(path, "exact_student_ids", expected, f"a {type(ids).__name__} of non-integers") from None
+            raise ProjectionFileError(path, key, expected, f"a {type(ids).__name__} of non-integers") from None
     if not isinstance(ids, torch.Tensor) or ids.is_nested or ids.layout != torch.strided or ids.ndim != 1 \
             or ids.dtype not in _INTEGER_DTYPES:
         shape = f" with {ids.ndim} dimensions, dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else ""
-        raise ProjectionFileError(path, "exact_student_ids", expected, f"a {type(ids).__name__}{shape}")
+        raise ProjectionFileError(path, key, expected, f"a {type(ids).__name__}{shape}")
     ids = ids.to(torch.int64)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= v_rows):
-        raise ProjectionFileError(path, "exact_student_ids", expected, f"ids from {int(ids.min())} to {int(ids.max())}")
+        raise ProjectionFileError(path, key, expected, f"ids from {int(ids.min())} to {int(ids.max())}")
+    return ids
+
+def _exact_student_ids_of(obj, path, v_rows):
+    "The file's certified exact rows as int64, each one a row of the file (None when it lists none)."
+    return _row_ids_of(obj, "exact_student_ids", path, v_rows)
+
+def _canonical_student_ids_of(obj, path, v_rows, exact_ids):
+    "The file's canonical rows as int64 (None when it lists none), each one also a certified exact row."
+    ids = _row_ids_of(obj, "canonical_student_ids", path, v_rows)
+    if ids is None: return None
+    if exact_ids is None:
+        raise ProjectionFileError(path, "canonical_student_ids", "rows also listed in 'exact_student_ids'",
+                                  "a file without 'exact_student_ids'")
+    outside = ids[~torch.isin(ids, exact_ids)]
+    if outside.numel():
+        raise ProjectionFileError(path, "canonical_student_ids", "rows also listed in 'exact_student_ids'",
+                                  f"{outside.numel()} other rows, e.g. {outside[:5].tolist()}")
     return ids
 
 # %% ../nbs/05_projection.ipynb #d180fd2b
@@ -205,7 +224,7 @@ def _declared_int(path, field, value, expected, ok) -> int:
     if not ok(int(value)): raise ProjectionFileError(path, field, expected, int(value))
     return int(value)
 
-def _size_rules(metadata, path, indices, exact_student_ids) -> dict:
+def _size_rules(metadata, path, indices, exact_student_ids, canonical_student_ids=None) -> dict:
     "field -> (what the tensors require, test) for every size a dense file may declare."
     v_rows, k = indices.shape
     live = indices >= 0
@@ -219,6 +238,9 @@ def _size_rules(metadata, path, indices, exact_student_ids) -> dict:
     if exact_student_ids is not None:
         n = exact_student_ids.numel()
         rules["exact_rows"] = (f"{n}, the length of 'exact_student_ids'", lambda v: v == n)
+    if canonical_student_ids is not None:
+        c = canonical_student_ids.numel()
+        rules["canonical_rows"] = (f"{c}, the length of 'canonical_student_ids'", lambda v: v == c)
     if "teacher_vocab_size" in metadata:
         declared = _declared_int(path, "teacher_vocab_size", metadata["teacher_vocab_size"], *rules["teacher_vocab_size"])
         rules["teacher_vocab_size"] = (f"{declared}, as 'teacher_vocab_size' declares", lambda v: v == declared)
@@ -229,9 +251,10 @@ def check_projection_metadata(
     indices:torch.Tensor, # the file's validated int64 [V_rows, K] teacher ids
     exact_student_ids:torch.Tensor|None=None, # the file's validated certified rows
     path="<metadata>", # named in error messages
+    canonical_student_ids:torch.Tensor|None=None, # the file's validated canonical rows
 ) -> dict:
     "Check every size the metadata declares against the tensors; `ProjectionFileError` on a contradiction."
-    rules = _size_rules(metadata, path, indices, exact_student_ids)
+    rules = _size_rules(metadata, path, indices, exact_student_ids, canonical_student_ids)
     if "student_vocab_size" in metadata:
         _declared_int(path, "student_vocab_size", metadata["student_vocab_size"], *rules["student_vocab_size"])
     for section in ("builder", "report"):
@@ -252,8 +275,9 @@ def _dense_parts(obj, path) -> DenseProjection:
     "A dense projection dict's validated tensors and metadata (declared sizes checked against the tensors)."
     indices, likelihoods = check_dense_arrays(obj["indices"], obj["likelihoods"], path)
     exact_ids = _exact_student_ids_of(obj, path, indices.shape[0])
-    return DenseProjection(indices, likelihoods, exact_ids,
-                           check_projection_metadata(_metadata_of(obj), indices, exact_ids, path))
+    canonical_ids = _canonical_student_ids_of(obj, path, indices.shape[0], exact_ids)
+    metadata = check_projection_metadata(_metadata_of(obj), indices, exact_ids, path, canonical_ids)
+    return DenseProjection(indices, likelihoods, exact_ids, metadata, canonical_ids)
 
 def load_dense_projection(
     path, # a dense top-k projection file
@@ -391,18 +415,27 @@ def _exact_candidates(indices, likelihoods, *, xtoken_loss, exact_tolerance, rel
     if xtoken_loss: return t1, w1, (w1 > 0) & (w1 >= relaxed_threshold)
     others = live_weights.scatter(1, j1, 0.0).amax(dim=1)
     candidate = (w1 > 0) & (w1 >= 1 - exact_tolerance) & (others <= exact_tolerance)
-    if exact_student_ids is not None:
-        certified = torch.zeros_like(candidate)
-        ids = exact_student_ids.to(device=indices.device, dtype=torch.int64)
-        certified[ids[(ids >= 0) & (ids < len(certified))]] = True
-        candidate &= certified
+    if exact_student_ids is not None: candidate &= _row_mask(exact_student_ids, len(candidate), indices.device)
     return t1, w1, candidate
 
+def _row_mask(ids, n, device):
+    "bool [n]: True at the listed row ids (ids outside [0, n) are ignored)."
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    ids = torch.as_tensor(ids, dtype=torch.int64).to(device)
+    mask[ids[(ids >= 0) & (ids < n)]] = True
+    return mask
+
 # %% ../nbs/05_projection.ipynb #5432e73b
-def _resolve_collisions(students, teachers, weights, xtoken_loss):
-    "Keep one student per teacher id (strict: lowest student; relaxed: highest weight, then lowest student)."
+def _resolve_collisions(students, teachers, weights, xtoken_loss, preferred=None):
+    """Keep one student per teacher id: a preferred (canonical) one first, then strict: the lowest student; relaxed:
+    the highest weight, then the lowest student."""
+    # each stable sort makes its key the primary one: students (ascending) < weight < preferred < teacher
     if xtoken_loss:
         order = torch.argsort(-weights, stable=True)
+        students, teachers = students[order], teachers[order]
+        if preferred is not None: preferred = preferred[order]
+    if preferred is not None:
+        order = torch.argsort((~preferred).to(torch.int8), stable=True)
         students, teachers = students[order], teachers[order]
     order = torch.argsort(teachers, stable=True)
     students, teachers = students[order], teachers[order]
@@ -419,17 +452,19 @@ def _complement(ids, size):
 
 # %% ../nbs/05_projection.ipynb #33a4660f
 def _common_pairs(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, exact_tolerance=1e-6,
-                  relaxed_threshold=0.6, exact_student_ids=None):
+                  relaxed_threshold=0.6, exact_student_ids=None, canonical_student_ids=None):
     "(common_student, common_teacher) of validated arrays: nothing is sized by the vocabularies."
     t1, w1, candidate = _exact_candidates(indices, likelihoods, xtoken_loss=xtoken_loss, exact_tolerance=exact_tolerance,
                                           relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids)
     candidate &= (t1 >= 0) & (t1 < teacher_vocab_size)
     students = candidate.nonzero().squeeze(1)
-    return _resolve_collisions(students, t1[students], w1[students], xtoken_loss)
+    preferred = None if canonical_student_ids is None else \
+        _row_mask(canonical_student_ids, len(candidate), indices.device)[students]
+    return _resolve_collisions(students, t1[students], w1[students], xtoken_loss, preferred)
 
 def exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_size, student_vocab_size=None,
                            exact_tolerance=1e-6, relaxed_threshold=0.6, exact_student_ids=None,
-                           source="<in-memory projection>"):
+                           canonical_student_ids=None, source="<in-memory projection>"):
     "The partition plus the message explaining why it is empty (None when it is not)."
     teacher_vocab_size = check_vocab_size("teacher_vocab_size", teacher_vocab_size)
     student_vocab_size = check_vocab_size("student_vocab_size", student_vocab_size, optional=True)
@@ -440,7 +475,8 @@ def exact_token_map_parts(indices, likelihoods, *, xtoken_loss, teacher_vocab_si
     indices, likelihoods = check_dense_arrays(indices, likelihoods, source)
     common_student, common_teacher = _common_pairs(
         indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
-        exact_tolerance=exact_tolerance, relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids)
+        exact_tolerance=exact_tolerance, relaxed_threshold=relaxed_threshold, exact_student_ids=exact_student_ids,
+        canonical_student_ids=canonical_student_ids)
     v_rows = indices.shape[0]
     n_student = max(v_rows, student_vocab_size or 0)
     mode = "relaxed (xtoken_loss=True)" if xtoken_loss else "strict (xtoken_loss=False)"
@@ -473,13 +509,14 @@ def exact_token_map_from_topk(
     relaxed_threshold:float=0.6, # relaxed: minimum top weight (inclusive)
     allow_empty:bool=False, # an empty common set warns instead of raising
     exact_student_ids=None, # strict only: rows certified exact by the builder (None: no restriction)
+    canonical_student_ids=None, # both modes: rows kept first when students collide (None: no preference)
     source:str="<in-memory projection>", # named in messages (the file path)
 ) -> dict:
     "Common/uncommon vocabulary partition from dense top-k arrays (uncached core of `build_exact_token_map`)."
     result, message = exact_token_map_parts(
         indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=teacher_vocab_size,
         student_vocab_size=student_vocab_size, exact_tolerance=exact_tolerance, relaxed_threshold=relaxed_threshold,
-        exact_student_ids=exact_student_ids, source=source)
+        exact_student_ids=exact_student_ids, canonical_student_ids=canonical_student_ids, source=source)
     refuse_empty_exact_map(message, allow_empty)
     return result
 
@@ -493,8 +530,11 @@ class PieceVocabulary:
     encode: object # callable: list[str] -> list[list[int]], no template specials, special strings split as text
     name: str = "" # recorded as the model id in the file's metadata
     fingerprint: str = "" # `xtoken_dp.tokenizers.tokenizer_fingerprint` of the tokenizer
+    tokens: list|None = None # token string per id (`convert_ids_to_tokens`); None: the string rules are off
 
     def __post_init__(self):
+        if self.tokens is not None and len(self.tokens) != len(self.pieces):
+            raise ValueError(f"tokens: expected one string per id ({len(self.pieces)}), got {len(self.tokens)}")
         self.roles = {int(i): tuple(r) for i, r in sorted(self.roles.items())}
         self.lengths = np.fromiter((-1 if p is None else len(p) for p in self.pieces), np.int64, len(self.pieces))
         self.flat = np.frombuffer(b"".join(p for p in self.pieces if p), dtype=np.uint8)
@@ -537,6 +577,24 @@ def pair_special_tokens(
         else: pairs.append((int(s), int(ranked[0][1]), role))
     return pairs, unpaired
 
+# %% ../nbs/05_projection.ipynb #b515fc70
+def pair_specials_by_string(
+    student:PieceVocabulary, # student view (with token strings)
+    teacher:PieceVocabulary, # teacher view (with token strings)
+    unpaired:list, # [(s, roles)] that `pair_special_tokens` left unpaired
+) -> tuple[list, list]:
+    "Pair unpaired student specials with the teacher special of the same string: `([(s, t, role)], [(s, roles) left])`."
+    if student.tokens is None or teacher.tokens is None: return [], list(unpaired)
+    by_string = {}
+    for t in np.flatnonzero(teacher.special).tolist():
+        if teacher.tokens[t] is not None: by_string.setdefault(teacher.tokens[t], t)
+    pairs, left = [], []
+    for s, roles in unpaired:
+        t = by_string.get(student.tokens[s]) if 0 <= s < len(student) and student.tokens[s] is not None else None
+        if t is None: left.append((s, roles))
+        else: pairs.append((s, t, roles[0] if roles else "other"))
+    return pairs, left
+
 # %% ../nbs/05_projection.ipynb #cd6aef43
 def exact_byte_matches(
     student:PieceVocabulary, # student view
@@ -549,6 +607,37 @@ def exact_byte_matches(
     candidates = np.flatnonzero(~student.special & (student.lengths > 0))
     match[candidates] = [by_bytes.get(student.pieces[s], -1) for s in candidates.tolist()]
     return match
+
+# %% ../nbs/05_projection.ipynb #4d0cc3c9
+def same_string_matches(
+    student:PieceVocabulary, # student view (with token strings)
+    teacher:PieceVocabulary, # teacher view (with token strings)
+    match:np.ndarray, # int64 [V_s] from `exact_byte_matches`
+) -> np.ndarray:
+    "`match`, each matched row re-pointed at the teacher token with its string and its bytes where there is one."
+    match = np.array(match, dtype=np.int64)
+    if student.tokens is None or teacher.tokens is None: return match
+    by_string = {}
+    for t in np.flatnonzero(~teacher.special & (teacher.lengths > 0)).tolist():
+        if teacher.tokens[t] is not None: by_string.setdefault(teacher.tokens[t], t)
+    for s in np.flatnonzero(match >= 0).tolist():
+        t = by_string.get(student.tokens[s]) if student.tokens[s] is not None else None
+        if t is not None and teacher.pieces[t] == student.pieces[s]: match[s] = t
+    return match
+
+# %% ../nbs/05_projection.ipynb #468c63d1
+def canonical_rows(
+    student:PieceVocabulary, # student view (with token strings)
+    teacher:PieceVocabulary, # teacher view (with token strings)
+    students:np.ndarray, # int64 exact rows
+    teachers:np.ndarray, # int64 the teacher id of each
+) -> np.ndarray:
+    "Sorted int64 ids of the exact rows whose token string is their teacher token's (both special or both not)."
+    if student.tokens is None or teacher.tokens is None: return np.zeros(0, dtype=np.int64)
+    keep = [s for s, t in zip(np.asarray(students).tolist(), np.asarray(teachers).tolist())
+            if student.tokens[s] is not None and student.tokens[s] == teacher.tokens[t]
+            and student.special[s] == teacher.special[t]]
+    return np.unique(np.array(keep, dtype=np.int64))
 
 # %% ../nbs/05_projection.ipynb #8b64b66e
 def _ranges(starts, lengths):
@@ -792,6 +881,8 @@ class ProjectionReport:
     common_strict: int
     common_relaxed: int
     violations: list
+    same_string_rows: int = 0
+    canonical_rows: int = 0
     phase_seconds: dict = dataclasses.field(default_factory=dict)
     peak_rss_bytes: dict = dataclasses.field(default_factory=dict)
 
@@ -821,12 +912,15 @@ def _mib(n): return f"{n / 2**20:,.0f} MiB"
 def summary(self:ProjectionReport) -> str:
     "A short text block describing the build."
     status = lambda d: ", ".join(f"{k} {v:,}" for k, v in d.items())
-    pairs = ", ".join(f"{p['role']} {p['student']}->{p['teacher']}" for p in self.special_pairs) or "none"
+    pairs = ", ".join(f"{p['role']} {p['student']}->{p['teacher']}{' (string)' if p.get('by') == 'string' else ''}"
+                      for p in self.special_pairs) or "none"
     unpaired = ", ".join(f"{u['student']} ({'/'.join(u['roles'])})" for u in self.unpaired_student_specials) or "none"
     lines = [
         f"projection V_s={self.student_vocab_size:,} -> V_t={self.teacher_vocab_size:,}, top_k={self.top_k}",
         f"  exact rows      {self.exact_rows:,} ({self.exact_share:.1%} of V_s); specials paired: {pairs}; "
         f"unpaired: {unpaired}",
+        f"  same strings    {self.same_string_rows:,} rows re-pointed to the same-string teacher token, "
+        f"{self.canonical_rows:,} canonical rows",
         f"  rows            non-empty {self.nonempty_rows:,}, empty {self.empty_rows:,}, collapsed "
         f"{self.collapsed_rows:,}, entries/row {self.entries_per_row}",
         f"  weights         row sums [{self.row_sum_min:.7f}, {self.row_sum_max:.7f}], mean entropy "
@@ -882,7 +976,7 @@ def fast_batch_encoder(
 # %% ../nbs/05_projection.ipynb #323eb67d
 @patch(cls_method=True)
 def from_tokenizer(cls:PieceVocabulary, tok, name:str|None=None):
-    "The builder's view of a fast tokenizer, through `xtoken_dp.tokenizers` (piece bytes, roles, dummy prefix)."
+    "The builder's view of a fast tokenizer, through `xtoken_dp.tokenizers` (piece bytes, roles, dummy prefix, strings)."
     from xtoken_dp.tokenizers import describe_tokenizer, piece_bytes_table, special_token_roles, tokenizer_fingerprint
     encode = fast_batch_encoder(tok)
     table, info, fingerprint = piece_bytes_table(tok), describe_tokenizer(tok), tokenizer_fingerprint(tok)
@@ -890,7 +984,7 @@ def from_tokenizer(cls:PieceVocabulary, tok, name:str|None=None):
         raise ValueError(f"piece_bytes_table has {len(table)} entries for a tokenizer of len {len(tok)}")
     if name is None: name = str(getattr(tok, "name_or_path", "") or "") or f"{info.family}-{fingerprint[:12]}"
     return cls([table[i] for i in range(len(table))], special_token_roles(tok), bool(info.dummy_prefix), encode, name,
-               fingerprint)
+               fingerprint, tokens=tok.convert_ids_to_tokens(list(range(len(table)))))
 
 def as_piece_vocabulary(
     tok, # a fast tokenizer or a PieceVocabulary
@@ -905,17 +999,19 @@ def as_piece_vocabulary(
 # %% ../nbs/05_projection.ipynb #3a727f06
 @dataclasses.dataclass(eq=False)
 class ProjectionBuild:
-    "A built projection: dense top-k arrays, certified exact rows, the file metadata and the validation report."
+    "A built projection: dense top-k arrays, certified exact and canonical rows, the file metadata and the report."
     indices: torch.Tensor # int64 [V_s, top_k], -1 = empty slot
     likelihoods: torch.Tensor # float32 [V_s, top_k], non-empty rows sum to 1
     exact_student_ids: torch.Tensor # int64 [n], rows certified exact
     metadata: dict # format_version, model ids, sizes, fingerprints, builder, report
     report: ProjectionReport
+    canonical_student_ids: torch.Tensor|None = None # int64 [m], exact rows whose string is their teacher token's
 
     def to_file_dict(self) -> dict:
         "The dict `save` writes: tensors plus plain metadata."
+        canonical = {} if self.canonical_student_ids is None else {"canonical_student_ids": self.canonical_student_ids}
         return {"indices": self.indices, "likelihoods": self.likelihoods,
-                "exact_student_ids": self.exact_student_ids, **self.metadata}
+                "exact_student_ids": self.exact_student_ids, **canonical, **self.metadata}
 
     def save(self, path) -> Path:
         "Write the dense top-k file atomically (a temporary sibling, then `os.replace`)."
@@ -945,16 +1041,25 @@ def _build_parameters(top_k, max_pieces, decay, reverse, reverse_weight, exact, 
                 reverse_weight=float(reverse_weight), exact=bool(exact), pair_specials=bool(pair_specials))
 
 # %% ../nbs/05_projection.ipynb #a1ea3b42
+def _specials_paired(S, T, pair_specials):
+    "Step 1: `([(s, t, role, by)], [(s, roles) unpaired])`, by role first, then by string (`by` says which)."
+    if not pair_specials: return [], [(s, roles) for s, roles in S.roles.items()]
+    by_role, unpaired = pair_special_tokens(S.roles, T.roles)
+    roleless = [(s, ()) for s in np.flatnonzero(S.special).tolist() if s not in S.roles]  # ids without bytes
+    by_string, left = pair_specials_by_string(S, T, unpaired + roleless)
+    unpaired = [(s, roles) for s, roles in left if s in S.roles]   # the report lists the specials that have roles
+    pairs = [(s, t, role, "role") for s, t, role in by_role] + [(s, t, role, "string") for s, t, role in by_string]
+    return sorted(pairs), unpaired
+
 def specials_and_exact(S, T, *, pair_specials, exact):
-    "Triplets of steps 1-2, the mask of exact rows, and the special pairs / unpaired specials."
-    if pair_specials: pairs, unpaired = pair_special_tokens(S.roles, T.roles)
-    else: pairs, unpaired = [], [(s, roles) for s, roles in S.roles.items()]
+    "Triplets of steps 1-2, the mask of exact rows, the special pairs `(s, t, role, by)` and the unpaired specials."
+    pairs, unpaired = _specials_paired(S, T, pair_specials)
     exact_rows = np.zeros(len(S), dtype=bool)
-    students = np.array([s for s, _, _ in pairs], dtype=np.int64)
-    teachers = np.array([t for _, t, _ in pairs], dtype=np.int64)
+    students = np.array([p[0] for p in pairs], dtype=np.int64)
+    teachers = np.array([p[1] for p in pairs], dtype=np.int64)
     exact_rows[students] = True
     if exact:
-        match = exact_byte_matches(S, T)
+        match = same_string_matches(S, T, exact_byte_matches(S, T))
         matched = np.flatnonzero(match >= 0)
         exact_rows[matched] = True
         students, teachers = np.concatenate([students, matched]), np.concatenate([teachers, match[matched]])
@@ -988,9 +1093,11 @@ def _progress_bar(total, progress):
     return tqdm(total=total, desc="projection", unit="tok", file=sys.stderr,
                 disable=not (sys.stderr.isatty() if progress is None else progress), dynamic_ncols=True)
 
+PROJECTION_FORMAT_VERSION = 2 # 2: same-string exact rows, specials paired by string, `canonical_student_ids`
+
 def _build_metadata(S, T, parameters, report, student_model_id, teacher_model_id) -> dict:
     "The file's metadata: format version, model ids, sizes, fingerprints, builder parameters and the report."
-    return {"format_version": 1,
+    return {"format_version": PROJECTION_FORMAT_VERSION,
             "student_model_id": student_model_id if student_model_id is not None else S.name,
             "teacher_model_id": teacher_model_id if teacher_model_id is not None else T.name,
             "student_vocab_size": len(S), "teacher_vocab_size": len(T),
@@ -1022,6 +1129,7 @@ def build_projection(
     with phases("vocabularies"): S, T = as_piece_vocabulary(student, "student"), as_piece_vocabulary(teacher, "teacher")
     with phases("specials_exact"):
         fixed, exact_rows, pairs, unpaired = specials_and_exact(S, T, pair_specials=pair_specials, exact=exact)
+        canonical_ids = torch.from_numpy(canonical_rows(S, T, fixed[0], fixed[1]))
     closed, forward_ids, reverse_ids = _reencoded_ids(S, T, exact_rows, reverse)
     with _progress_bar(len(forward_ids) + len(reverse_ids) + len(S), progress) as bar:
         forward, backward, statuses = _reencoded_triplets(S, T, closed, forward_ids, reverse_ids, parameters,
@@ -1034,14 +1142,21 @@ def build_projection(
             bar.update(len(S))
     exact_ids = torch.from_numpy(np.flatnonzero(exact_rows).astype(np.int64))
     with phases("report"):
-        report = _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, *statuses, parameters, S, T)
+        report = _make_report(indices, likelihoods, dropped, exact_ids, canonical_ids, pairs, unpaired, *statuses,
+                              parameters, S, T)
     report.phase_seconds, report.peak_rss_bytes = phases.seconds, phases.rss
     metadata = _build_metadata(S, T, parameters, report, student_model_id, teacher_model_id)
-    return ProjectionBuild(indices, likelihoods, exact_ids, metadata, report)
+    return ProjectionBuild(indices, likelihoods, exact_ids, metadata, report, canonical_ids)
 
 # %% ../nbs/05_projection.ipynb #6f51fc56
-def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forward_status, reverse_status,
-                 parameters, S, T) -> ProjectionReport:
+def _same_string_rows(S, T, indices, exact_ids) -> int:
+    "Exact content rows that point at a teacher id other than the lowest one with their bytes (the string rule's)."
+    rows = exact_ids.numpy()
+    rows = rows[~S.special[rows]]
+    return int((indices[rows, 0].numpy() != exact_byte_matches(S, T)[rows]).sum()) if len(rows) else 0
+
+def _make_report(indices, likelihoods, dropped, exact_ids, canonical_ids, pairs, unpaired, forward_status,
+                 reverse_status, parameters, S, T) -> ProjectionReport:
     live = indices >= 0
     entries = live.sum(1)
     nonempty = entries > 0
@@ -1055,7 +1170,7 @@ def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forw
     def common(xtoken_loss):
         if len(S) == 0: return 0
         pairs = _common_pairs(indices, likelihoods, xtoken_loss=xtoken_loss, teacher_vocab_size=len(T),
-                              exact_student_ids=None if xtoken_loss else exact_ids)
+                              exact_student_ids=None if xtoken_loss else exact_ids, canonical_student_ids=canonical_ids)
         return int(pairs[0].numel())
     counts = lambda status: {name: int((status == i).sum()) for i, name in enumerate(STATUS_NAMES)}
     empty_ids = (~nonempty).nonzero().squeeze(1)
@@ -1063,7 +1178,7 @@ def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forw
         student_vocab_size=len(S), teacher_vocab_size=len(T), top_k=parameters["top_k"], parameters=parameters,
         library_version=xtoken_dp.__version__, student_fingerprint=S.fingerprint, teacher_fingerprint=T.fingerprint,
         exact_rows=len(exact_ids), exact_share=len(exact_ids) / max(len(S), 1),
-        special_pairs=[{"role": role, "student": s, "teacher": t} for s, t, role in pairs],
+        special_pairs=[{"role": role, "student": s, "teacher": t, "by": by} for s, t, role, by in pairs],
         unpaired_student_specials=[{"student": s, "roles": list(roles)} for s, roles in unpaired],
         nonempty_rows=int(nonempty.sum()), empty_rows=int((~nonempty).sum()), empty_row_ids_head=empty_ids[:20].tolist(),
         collapsed_rows=int((nonempty & (entries == 1) & ~exact_rows).sum()),
@@ -1076,7 +1191,8 @@ def _make_report(indices, likelihoods, dropped, exact_ids, pairs, unpaired, forw
         teacher_ids_covered=covered, teacher_coverage=covered / max(len(T), 1),
         reencoding={"forward": counts(forward_status), "reverse": counts(reverse_status)},
         common_strict=common(False), common_relaxed=common(True),
-        violations=projection_invariant_violations(indices, likelihoods, len(T)))
+        violations=projection_invariant_violations(indices, likelihoods, len(T)),
+        same_string_rows=_same_string_rows(S, T, indices, exact_ids), canonical_rows=len(canonical_ids))
 
 # %% ../nbs/05_projection.ipynb #417e6cfc
 def default_report_path(out_path) -> Path:
@@ -1116,19 +1232,21 @@ def _describe_dense(dense: DenseProjection, path) -> str:
     v_rows, k = dense.indices.shape
     live = dense.indices[dense.indices >= 0]
     v_t = dense.metadata.get("teacher_vocab_size", int(live.max()) + 1 if live.numel() else 0)
-    exact = "none recorded" if dense.exact_student_ids is None else f"{dense.exact_student_ids.numel():,}"
+    count = lambda ids: "none recorded" if ids is None else f"{ids.numel():,}"
     lines = [f"{path}: dense top-k projection",
              _line("indices", f"{list(dense.indices.shape)} int64, likelihoods {list(dense.likelihoods.shape)} float32"),
              _line("sizes", f"student rows {v_rows:,}, K {k}, teacher vocab {v_t:,}"
                             f"{'' if 'teacher_vocab_size' in dense.metadata else ' (inferred from the ids)'}"),
-             _line("exact_student_ids", exact)]
+             _line("exact_student_ids", count(dense.exact_student_ids)),
+             _line("canonical_student_ids", count(dense.canonical_student_ids))]
     for key, value in dense.metadata.items():
         if key == "report" and isinstance(value, dict):
             value = {k: value[k] for k in ("exact_rows", "empty_rows", "violations") if k in value}
         lines.append(_line(key, _short(value)))
     for mode, relaxed in (("strict", False), ("relaxed", True)):
         common_student, _ = _common_pairs(dense.indices, dense.likelihoods, xtoken_loss=relaxed, teacher_vocab_size=v_t,
-                                          exact_student_ids=None if relaxed else dense.exact_student_ids)
+                                          exact_student_ids=None if relaxed else dense.exact_student_ids,
+                                          canonical_student_ids=dense.canonical_student_ids)
         n = common_student.numel()
         lines.append(_line("exact map", f"{mode}: {n:,} common ids ({n / max(v_rows, 1):.1%} of rows)"))
     return "\n".join(lines)
