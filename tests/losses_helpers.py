@@ -192,7 +192,7 @@ def log1mexp(u): return math.log(-math.expm1(u))
 
 class Sample:
     "One sample of a flat batch as Python lists."
-    def __init__(self, batch, b, i=0, exact_only=False):
+    def __init__(self, batch, b, i=0, exact_only=False, one_to_one=False):
         get = lambda key: batch[key][b].tolist()
         self.on = get("sample_mask") == 1
         self.ids, self.mask = get("input_ids"), get("token_mask")
@@ -201,21 +201,22 @@ class Sample:
         self.t_ids = get(f"teacher_{i}_input_ids") if f"teacher_{i}_input_ids" in batch else None
         self.t_mask = get(f"teacher_{i}_token_mask") if f"teacher_{i}_token_mask" in batch else None
         self.pair_valid, self.correct = get(f"alignment_{i}_pair_valid"), get(f"alignment_{i}_pair_is_correct")
-        self.exact_only = exact_only
+        self.exact_only, self.one_to_one = exact_only, one_to_one
 
     def chunk(self, c):
         "(S_c, Q_c, valid)"
         S = [p for p, x in enumerate(self.sigma) if x == c]
         Q = [q for q, x in enumerate(self.tau) if x == c]
         ok = self.on and bool(S) and bool(Q) and self.pair_valid[c] and (not self.exact_only or self.correct[c])
+        if self.one_to_one: ok = ok and len(S) == 1 and len(Q) == 1
         return S, Q, ok
 
 
-def samples(batch, i=0, exact_only=False):
-    return [Sample(batch, b, i, exact_only) for b in range(batch["input_ids"].shape[0])]
+def samples(batch, i=0, exact_only=False, one_to_one=False):
+    return [Sample(batch, b, i, exact_only, one_to_one) for b in range(batch["input_ids"].shape[0])]
 
 
-def ref_counts(batch, modes):
+def ref_counts(batch, modes, pairs="one_to_one"):
     "(N_tok, [N_i]) of a list of batches, by loops."
     n_tok, n = 0, [0] * len(modes)
     for mb in batch:
@@ -227,7 +228,7 @@ def ref_counts(batch, modes):
                 n[i] += sum(1 for b in range(mb["input_ids"].shape[0]) for p in range(mb["input_ids"].shape[1] - 1)
                             if Sample(mb, b).on and Sample(mb, b).mask[p + 1])
                 continue
-            for s in samples(mb, i):
+            for s in samples(mb, i, one_to_one=pairs == "one_to_one" and mode in ("pkl", "gold", "hkl")):
                 n[i] += sum(1 for c in range(len(s.pair_valid)) if s.chunk(c)[2])
     return max(n_tok, 1), [max(x, 1) for x in n]
 
@@ -249,15 +250,15 @@ def _topk_ids(g, k):
 def _reduce(rows, how): return rows[0] if how == "first" else mean_rows(rows)
 
 
-def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=False, target="arithmetic",
-            reduce="mean", exact_only=False, reference=False, eps=1e-10):
+def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=None, scope="sample", reverse=False, target="arithmetic",
+            reduce="mean", exact_only=False, reference=False, eps=1e-10, pairs="one_to_one", unseen="bucket"):
     "Σ over valid chunks of κ²·KL_c for P-KL, and the per-chunk values {(b, c): KL_c}."
     V_s, V_t = len(M), len(M[0])
-    k = min(topk, V_t)
+    k = min(topk or V_t, V_t)
     if scope == "microbatch":
         g_all = [max(y[b][q][v] for b in range(len(y)) for q in range(len(y[b]))) for v in range(V_t)]
     total, per = 0.0, {}
-    for b, s in enumerate(samples(batch, exact_only=exact_only)):
+    for b, s in enumerate(samples(batch, exact_only=exact_only, one_to_one=pairs == "one_to_one" and not reference)):
         if scope == "microbatch": K = _topk_ids(g_all, k)
         else:
             voters = [q for q, x in enumerate(s.tau) if x >= 0]
@@ -271,7 +272,14 @@ def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=Fal
                 r.append([sum(pi[a] * M[a][v] for a in range(V_s)) for v in K])
             ell = [log_softmax([y[b][q][v] for v in K], kappa) for q in Q]
             R = _reduce(r, reduce)
-            if reference:  # the reference loss implementation's formulas
+            if unseen == "bucket" and not reference:  # whole-vocabulary teacher log-probs, one rest entry per side
+                ell = [[row[v] for v in K] for row in (log_softmax(y[b][q][:V_t], kappa) for q in Q)]
+                P = softmax(_reduce(ell, reduce)) if target == "geometric" else _reduce([[math.exp(v) for v in row] for row in ell], reduce)
+                rest = [sum(pi[a] * (sum(M[a][v] for v in range(V_t) if v not in K) + (not any(M[a]))) for a in range(V_s))
+                          for pi in (softmax(z[b][p][:V_s], kappa) for p in S)]
+                P, Rr = P + [0.0 if k == V_t or target == "geometric" else max(0.0, 1 - sum(P))], R + [_reduce([[x] for x in rest], reduce)[0]]
+                value = kl(Rr, P) if reverse else kl(P, Rr)
+            elif reference:  # the reference loss implementation's formulas
                 Lc = _reduce(ell, reduce)
                 Rh = [x / (sum(R) + 1e-10) for x in R]
                 if reverse: value = sum((x + 1e-10) * (math.log(x + 1e-10) - l) for x, l in zip(Rh, Lc))
@@ -287,13 +295,14 @@ def ref_pkl(z, y, batch, M, *, kappa=1.0, topk=8192, scope="sample", reverse=Fal
 
 
 def ref_gold(z, y, batch, token_map, *, kappa=1.0, reverse=False, target="arithmetic", reduce="mean",
-             renormalize=False, uncommon_topk=8192, uncommon_weight=1.0, reference=False, exact_only=False, V_s=V_S):
+             renormalize=False, uncommon_topk=8192, uncommon_weight=1.0, reference=False, exact_only=False, V_s=V_S,
+             pairs="one_to_one"):
     "(Σ κ²·(kl_common + w·l1), Σ κ²·kl_common, Σ κ²·w·l1, per-chunk) for gold/H-KL."
     cs, ct, us, ut = token_map
     k_u = min(len(us), len(ut), uncommon_topk)
     total = common_total = tail_total = 0.0
     per = {}
-    for b, s in enumerate(samples(batch, exact_only=exact_only)):
+    for b, s in enumerate(samples(batch, exact_only=exact_only, one_to_one=pairs == "one_to_one" and not reference)):
         for c in range(len(s.pair_valid)):
             S, Q, ok = s.chunk(c)
             if not ok: continue
@@ -327,9 +336,9 @@ def ref_gold(z, y, batch, token_map, *, kappa=1.0, reverse=False, target="arithm
     return total, common_total, tail_total, per
 
 
-def ref_topk_kl(z, y, batch, *, kappa=1.0, topk=8192, reverse=False, V=V_S):
+def ref_topk_kl(z, y, batch, *, kappa=1.0, topk=None, reverse=False, V=V_S):
     "Σ over CE positions of κ²·KL on the teacher's per-sample top-k ids (same vocabulary)."
-    k, total = min(topk, V), 0.0
+    k, total = min(topk or V, V), 0.0
     for b, s in enumerate(samples(batch)):
         positions = [p for p in range(len(s.ids) - 1) if s.on and s.mask[p + 1]]
         K = _topk_ids([max([y[b][p][v] for p in positions], default=-math.inf) for v in range(V)], k)

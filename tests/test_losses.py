@@ -324,17 +324,21 @@ def test_L7_ce_uniform_masks_and_all_masked(dense):
 PKL_CASES = [dict(), dict(reverse_kl=True), dict(chunk_target="geometric"), dict(chunk_target="geometric", reverse_kl=True),
              dict(exact_token_match_only=True), dict(temperature=2.0), dict(temperature=2.0, reverse_kl=True),
              dict(chunk_reduce="first"), dict(vocab_topk=3), dict(vocab_topk=3, topk_scope="microbatch"),
-             dict(projection_row_normalize=False), dict(reference_formulas=True), dict(reference_formulas=True, reverse_kl=True)]
+             dict(projection_row_normalize=False), dict(reference_formulas=True), dict(reference_formulas=True, reverse_kl=True),
+             dict(vocab_topk=3, reverse_kl=True), dict(vocab_topk=3, chunk_target="geometric"),
+             dict(chunk_pairs="all"), dict(chunk_pairs="all", chunk_reduce="first"), dict(pkl_unseen="renormalize"),
+             dict(pkl_unseen="renormalize", chunk_pairs="all", vocab_topk=3, reverse_kl=True)]
 
 
 def _pkl_reference(student, teachers, batch, path, kw):
     reference = kw.get("reference_formulas", False)
     M = dense_matrix(path, row_normalize=kw.get("projection_row_normalize", True) and not reference)
     z, y = lists(student, teachers)
-    return ref_pkl(z, y, batch, M, kappa=kw.get("temperature", 1.0), topk=kw.get("vocab_topk", 8192),
+    return ref_pkl(z, y, batch, M, kappa=kw.get("temperature", 1.0), topk=kw.get("vocab_topk"),
                    scope="microbatch" if reference else kw.get("topk_scope", "sample"), reverse=kw.get("reverse_kl", False),
                    target=kw.get("chunk_target", "arithmetic"), reduce=kw.get("chunk_reduce", "mean"),
-                   exact_only=kw.get("exact_token_match_only", False), reference=reference)
+                   exact_only=kw.get("exact_token_match_only", False), reference=reference,
+                   pairs=kw.get("chunk_pairs", "one_to_one"), unseen=kw.get("pkl_unseen", "bucket"))
 
 
 @pytest.mark.parametrize("kw", PKL_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
@@ -373,7 +377,8 @@ GOLD_CASES = [dict(), dict(reverse_kl=True), dict(chunk_target="geometric"), dic
               dict(common_renormalize=True), dict(common_renormalize=True, reverse_kl=True), dict(chunk_reduce="first"),
               dict(chunk_reduce="first", uncommon_weight=0.0, common_renormalize=True), dict(uncommon_topk=2),
               dict(uncommon_weight=0.25), dict(exact_token_match_only=True), dict(reference_formulas=True),
-              dict(reference_formulas=True, reverse_kl=True)]
+              dict(reference_formulas=True, reverse_kl=True), dict(chunk_pairs="all"),
+              dict(chunk_pairs="all", chunk_reduce="first", common_renormalize=True)]
 
 
 @pytest.mark.parametrize("mode", ["gold", "hkl"])
@@ -391,7 +396,7 @@ def test_L9_gold_and_hkl_recomputed_from_the_map(dense, mode, kw):
         target=kw.get("chunk_target", "arithmetic"), reduce=kw.get("chunk_reduce", "mean"),
         renormalize=kw.get("common_renormalize", False), uncommon_topk=kw.get("uncommon_topk", 8192),
         uncommon_weight=kw.get("uncommon_weight", 1.0), reference=kw.get("reference_formulas", False),
-        exact_only=kw.get("exact_token_match_only", False))
+        exact_only=kw.get("exact_token_match_only", False), pairs=kw.get("chunk_pairs", "one_to_one"))
     config = config_for(mode, dense, **kw)
     close(kd_total(student, batch, teachers, config), total, 1e-10)
     close(kd_total(student.float(), batch, {0: teachers[0].float()}, config), total, 1e-6)
@@ -450,7 +455,7 @@ def test_L11_topk_kl_equals_its_loop(kw):
     batch = make_batch(41)
     student, teachers = make_logits(42, batch, same_vocab=True)
     config = config_for("topk_kl", **kw)
-    ref = ref_topk_kl(*lists(student, teachers), batch, kappa=kw.get("temperature", 1.0), topk=kw.get("vocab_topk", 8192),
+    ref = ref_topk_kl(*lists(student, teachers), batch, kappa=kw.get("temperature", 1.0), topk=kw.get("vocab_topk"),
                       reverse=kw.get("reverse_kl", False))
     close(kd_total(student, batch, teachers, config), ref, 1e-10)
 
@@ -704,7 +709,7 @@ def test_L17_construction_errors(dense):
     with pytest.raises(ValueError, match="kd_loss_mode must be one of"): L.XTokenLossConfig(V_S, [spec("uld")], kd_loss_mode="mean")
     with pytest.raises(ValueError, match="sum_weights_metric must be one of"):
         L.XTokenLossConfig(V_S, [spec("uld")], sum_weights_metric="kl")
-    for field, value, message in (("temperature", 0.0, "temperature must be > 0"), ("vocab_topk", 0, "vocab_topk: expected an int >= 1, got 0"),
+    for field, value, message in (("temperature", 0.0, "temperature must be > 0"), ("vocab_topk", 0, "vocab_topk: expected an int >= 1 or None, got 0"),
                                   ("alm_tau", -1.0, "alm_tau must be > 0")):
         with pytest.raises(ValueError, match=message): L.XTokenLossConfig(V_S, [spec("uld")], **{field: value})
     with pytest.raises(ValueError, match="needs a projection_path"): L.TeacherLossSpec("hkl", None, V_T)

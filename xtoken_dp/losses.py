@@ -430,7 +430,7 @@ class XTokenLossConfig:
     student_vocab_size: int  # V_s = len(student tokenizer)
     teachers: tuple  # one TeacherLossSpec (or a dict of its fields) per teacher; index i = teacher_{i}_* keys
     temperature: float = 1.0  # κ of pkl, gold, hkl and topk_kl (KD terms carry κ²)
-    vocab_topk: int = 8192  # teacher columns kept by pkl and topk_kl
+    vocab_topk: int | None = None  # teacher columns kept by pkl and topk_kl (None: every column)
     topk_scope: str = "sample"  # "sample" (invariant) or "microbatch" (the reference loss implementation's; depends on the split)
     uncommon_topk: int = 8192  # sorted entries of the gold/hkl tail L1
     uncommon_weight: float = 1.0  # weight of the gold/hkl tail L1
@@ -438,6 +438,8 @@ class XTokenLossConfig:
     exact_token_match_only: bool = False  # only chunks with pair_is_correct feed chunk losses
     chunk_target: str = "arithmetic"  # chunk distributions: "arithmetic" (mean of probabilities) or "geometric"
     chunk_reduce: str = "mean"  # "mean" (Mean_c) or "first" (First_c) in pkl, gold and hkl
+    chunk_pairs: str = "one_to_one"  # pkl/gold/hkl compare chunks of one token per side; "all": every chunk (inconsistent)
+    pkl_unseen: str = "bucket"  # pkl: mass outside the compared columns is one more entry; "renormalize" (blind to it)
     projection_row_normalize: bool = True  # pkl: rows of the projection sum to 1
     common_renormalize: bool = False  # gold/hkl: KL within the common tokens instead of common + residual bucket
     alm_tau: float = 100.0  # ALM binarisation temperature
@@ -461,6 +463,11 @@ class XTokenLossConfig:
     def effective_topk_scope(self) -> str:
         "The top-k scope in use: `topk_scope`, or 'microbatch' under `reference_formulas`."
         return "microbatch" if self.reference_formulas else self.topk_scope
+
+    @property
+    def effective_chunk_pairs(self) -> str:
+        "Which chunks pkl, gold and hkl compare: `chunk_pairs`, or 'all' under `reference_formulas`."
+        return "all" if self.reference_formulas else self.chunk_pairs
 
     @property
     def effective_row_normalize(self) -> bool:
@@ -512,7 +519,7 @@ def _validate_config(cfg):
     put("student_vocab_size", check_int("student_vocab_size", cfg.student_vocab_size, minimum=1))
     put("teachers", _teacher_specs(cfg.teachers))
     put("temperature", _check_float("temperature", cfg.temperature, positive=True))
-    put("vocab_topk", check_int("vocab_topk", cfg.vocab_topk, minimum=1))
+    put("vocab_topk", check_int("vocab_topk", cfg.vocab_topk, minimum=1, optional=True))
     put("uncommon_topk", check_int("uncommon_topk", cfg.uncommon_topk, minimum=1))
     put("uncommon_weight", _check_float("uncommon_weight", cfg.uncommon_weight, nonnegative=True))
     put("alm_tau", _check_float("alm_tau", cfg.alm_tau, positive=True))
@@ -529,6 +536,8 @@ def _validate_config(cfg):
     _check_choice("topk_scope", cfg.topk_scope, ("sample", "microbatch"))
     _check_choice("chunk_target", cfg.chunk_target, ("arithmetic", "geometric"))
     _check_choice("chunk_reduce", cfg.chunk_reduce, ("mean", "first"))
+    _check_choice("chunk_pairs", cfg.chunk_pairs, ("one_to_one", "all"))
+    _check_choice("pkl_unseen", cfg.pkl_unseen, ("bucket", "renormalize"))
     _check_choice("alm_divergence", cfg.alm_divergence, ("binary_kl", "binary_ce"))
     _check_choice("kd_loss_mode", cfg.kd_loss_mode, KD_LOSS_MODES)
     _check_choice("sum_weights_metric", cfg.sum_weights_metric, (None, *SUM_WEIGHTS_METRICS))
@@ -652,8 +661,9 @@ class _Chunks:
     max_chunks: int  # C
 
 
-def _chunks(flat, i, sample_on, exact_only, widths=None):
-    "Shift teacher `i`'s alignment and gate its chunks (`widths`: the logits' (T_s, T_t); None: the natural widths)."
+def _chunks(flat, i, sample_on, exact_only, widths=None, one_to_one=False):
+    """Shift teacher `i`'s alignment and gate its chunks (`widths`: the logits' (T_s, T_t); None: the natural widths;
+    `one_to_one`: only chunks of one position on each side after the shift)."""
     prefix = f"alignment_{i}_"
     alignment = alignment_from_flat_batch(flat, prefix=prefix)
     device = sample_on.device
@@ -665,12 +675,19 @@ def _chunks(flat, i, sample_on, exact_only, widths=None):
     sigma, tau = shift_chunk_ids(s_ids), shift_chunk_ids(t_ids)
     if sigma.shape[0] != sample_on.shape[0]:
         raise ValueError(f"{prefix}student_chunk_id has {sigma.shape[0]} rows, the batch has {sample_on.shape[0]}")
-    valid = valid_chunk_mask(chunk_buckets(sigma, C)[1], chunk_buckets(tau, C)[1], alignment.pair_valid.to(device))
+    s_sizes, t_sizes = chunk_buckets(sigma, C)[1], chunk_buckets(tau, C)[1]
+    valid = valid_chunk_mask(s_sizes, t_sizes, alignment.pair_valid.to(device))
+    if one_to_one: valid &= (s_sizes == 1) & (t_sizes == 1)
     valid &= sample_on[:, None]
     if exact_only: valid &= alignment.pair_is_correct.to(device).bool()
     return _Chunks(sigma, tau, valid, C)
 
 # %% ../nbs/08_losses.ipynb #aa98043b
+def _one_to_one(config, i):
+    "Whether teacher `i`'s chunks are gated to one-to-one pairs (its mode compares per-token distributions)."
+    return config.teachers[i].mode in PROJECTION_MODES and config.effective_chunk_pairs == "one_to_one"
+
+
 def _local_counts(flat, config):
     "`[N_tok, N_0, ..., N_{I-1}]` of one microbatch (float64)."
     mask = _token_field(flat, "token_mask", None, False).bool()
@@ -679,7 +696,7 @@ def _local_counts(flat, config):
     counts = [n_tok]
     for i, spec in enumerate(config.teachers):
         if spec.mode == "topk_kl": counts.append(n_tok); continue
-        counts.append(_chunks(flat, i, sample_on, config.exact_token_match_only).valid.sum())
+        counts.append(_chunks(flat, i, sample_on, config.exact_token_match_only, one_to_one=_one_to_one(config, i)).valid.sum())
     return torch.stack([c.to("cpu", torch.float64) for c in counts])
 
 
@@ -757,7 +774,8 @@ class _Microbatch:
     def chunks(self, i, T_t) -> _Chunks:
         "Teacher `i`'s shifted chunk ids and gate at the logits' widths (cached per call)."
         if i not in self._chunks:
-            self._chunks[i] = _chunks(self.flat, i, self.sample_on, self.config.exact_token_match_only, (self.T, T_t))
+            self._chunks[i] = _chunks(self.flat, i, self.sample_on, self.config.exact_token_match_only, (self.T, T_t),
+                                      one_to_one=_one_to_one(self.config, i))
         return self._chunks[i]
 
 # %% ../nbs/08_losses.ipynb #e9be43fd
@@ -898,18 +916,61 @@ def _project(M, probs, cols):
                         for b in range(B)])
 
 
+def _unseen_weights(M, cols):
+    "`[V_s]` float64: each student id's projection weight outside the teacher columns `cols` (1 for a row with none)."
+    def compute():
+        Mc = M if M.is_coalesced() else M.coalesce()
+        (rows, col), values = Mc.indices(), Mc.values().to(torch.float64)
+        inside = torch.zeros(M.shape[1], dtype=torch.bool, device=M.device)
+        inside[cols] = True
+        weights = torch.zeros(M.shape[0], dtype=torch.float64, device=M.device)
+        weights.index_add_(0, rows, torch.where(inside[col], torch.zeros_like(values), values))
+        empty = torch.ones(M.shape[0], dtype=torch.bool, device=M.device)
+        empty[rows[values != 0]] = False
+        return weights + empty
+    return _remembered("unseen", M, cols, compute)
+
+
+def _unseen_mass(M, probs, cols, chunks, how):
+    "`[B, C, 1]` per chunk: the student's probability on ids whose projection leaves `cols` (summed exactly, no `1 − ΣR`)."
+    weights = torch.stack([_unseen_weights(M, cols[b]) for b in range(cols.shape[0])]) if cols.shape[0] else \
+        probs.new_zeros((0, probs.shape[-1]))
+    u = torch.einsum("btv,bv->bt", probs, weights.to(probs.dtype))
+    return _reduce(u[..., None], chunks.sigma, chunks.max_chunks, how)
+
+
+def _pkl_bucket(cfg, y, cols, R, U, chunks):
+    """P-KL with one "rest" entry per side: the student's projected mass `R` is not renormalised, its rest `U` is its
+    mass on rows with no teacher column or projected outside `cols`; the teacher's log-probs are over its whole
+    vocabulary, read at `cols` (its rest is the mass outside them, exactly 0 when `cols` is every column)."""
+    kappa = cfg.temperature
+    yt = _tempered(y, kappa)
+    ell = yt.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)) - torch.logsumexp(yt, -1, keepdim=True)
+    if cfg.chunk_target == "geometric": target = torch.softmax(_reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce), -1)
+    else: target = _reduce(ell.exp(), chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
+    with_rest = lambda p, rest: torch.cat([p, rest], -1)
+    whole = cfg.chunk_target == "geometric" or cols.shape[1] == y.shape[-1]  # the teacher's rest is exactly 0
+    p_rest = target.new_zeros(target.shape[:-1] + (1,)) if whole else (1 - target.sum(-1, keepdim=True)).clamp_min(0)
+    p, q = with_rest(target, p_rest), with_rest(R, U)
+    kl = _kl(q, p) if cfg.reverse_kl else _kl(p, q)
+    hits = ((R.argmax(-1) == target.argmax(-1)) & chunks.valid).sum()
+    return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
+
+
 def _pkl_term(mb, teacher, chunks):
     cfg, spec, kappa = mb.config, teacher.spec, mb.config.temperature
     M = get_sparse_projection_matrix(spec.projection_path, mb.device, student_vocab_size=cfg.student_vocab_size,
                                      teacher_vocab_size=spec.vocab_size, row_normalize=cfg.effective_row_normalize)
     V_s, V_t = M.shape
     z, y = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), teacher.sliced(V_t)
-    k = min(cfg.vocab_topk, V_t)
+    k = min(cfg.vocab_topk or V_t, V_t)
     cols = teacher.fixed_columns
     if cols is None: cols = _teacher_columns(y, chunks.tau >= 0, k, cfg.effective_topk_scope)
-    r = _project(M, torch.softmax(_tempered(z, kappa), -1), cols)
+    probs = torch.softmax(_tempered(z, kappa), -1)
+    R = _reduce(_project(M, probs, cols), chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
+    if cfg.pkl_unseen == "bucket" and not cfg.reference_formulas:
+        return _pkl_bucket(cfg, y, cols, R, _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce), chunks)
     ell = torch.log_softmax(_tempered(y.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)), kappa), -1)
-    R = _reduce(r, chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
     if cfg.reference_formulas:
         L = _reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         R_hat, target = R / (R.sum(-1, keepdim=True) + PKL_EPS), L.exp()
@@ -1022,7 +1083,7 @@ def _topk_kl_term(mb, y, cols=None):
         raise ValueError(f"teacher_logits: a same-vocab teacher reads the student vocabulary's {V} columns; expected a "
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
     z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
-    if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk, V), cfg.effective_topk_scope)
+    if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope)
     index = cols[:, None, :].expand(-1, mb.T, -1)
     log_t = torch.log_softmax(_tempered(y.gather(-1, index), kappa), -1)
     log_s = torch.log_softmax(_tempered(z.gather(-1, index), kappa), -1)
@@ -1339,7 +1400,7 @@ def _plan_columns(mb, teachers, config, step):
         elif t.spec.mode == "topk_kl": V, voters = config.student_vocab_size, mb.next_mask
         else: continue
         if t.W >= V:  # a narrower teacher fails in its term, with the term's message
-            columns[t.i] = _columns_by_rows(t.rows, voters, (mb.B, t.T, V), min(config.vocab_topk, V), scope, step)
+            columns[t.i] = _columns_by_rows(t.rows, voters, (mb.B, t.T, V), min(config.vocab_topk or V, V), scope, step)
     return columns
 
 # %% ../nbs/08_losses.ipynb #9836133c
@@ -1369,7 +1430,7 @@ def _plan(mb, teachers, config, normalizers, group):
         plan.averaged = torch.tensor([t.weight for t in config.teachers], dtype=mb.dtype, device=mb.device)
         V, W = config.student_vocab_size, teachers[0].W
         rows_of = lambda b, q0, q1: _mean_logits(plan.averaged, [t.rows(b, q0, q1) for t in teachers])
-        plan.columns = {} if W < V else {None: _columns_by_rows(rows_of, mb.next_mask, (mb.B, mb.T, V), min(config.vocab_topk, V),
+        plan.columns = {} if W < V else {None: _columns_by_rows(rows_of, mb.next_mask, (mb.B, mb.T, V), min(config.vocab_topk or V, V),
                                                                  config.effective_topk_scope, step)}
     else:
         plan.weights, plan.computed, plan.extras = _kd_weights(config, scores)

@@ -237,7 +237,7 @@ def end_to_end(device: str = "cuda", T_s: int = 2048, V_s: int = 32_000, V_t: in
     batch, student, teacher, path = _random_loss_inputs(T_s, V_s, V_t, device)
     rows = []
     for mode in ("pkl", "gold"):
-        config = XTokenLossConfig(V_s, [TeacherLossSpec(mode, path, V_t)])
+        config = XTokenLossConfig(V_s, [TeacherLossSpec(mode, path, V_t)], vocab_topk=8192, chunk_pairs="all")  # as recorded below
         norms = compute_global_normalizers(batch, config)
         def step():
             logits = student.clone().requires_grad_()
