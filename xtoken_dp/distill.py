@@ -8,7 +8,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/distill.html.md"""
 
 # %% ../nbs/10_distill.ipynb #0e4be412
 from __future__ import annotations
-import argparse, copy, csv, hashlib, json, math, os, pickle, platform, shutil, socket, subprocess, sys, sysconfig, tempfile, time
+import argparse, copy, csv, dataclasses, hashlib, json, math, os, pickle, platform, shutil, socket, subprocess, sys, sysconfig, tempfile, time
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 import torch.distributed as dist
 from fastcore.basics import patch
+import xtoken_dp
 from .schema import AlignmentBatch
 from .tokenizers import piece_bytes_table, stdlib_source_files
 from .aligner import TokenAligner
@@ -37,11 +38,12 @@ from .losses import (PROJECTION_MODES, GlobalNormalizers, TeacherLossSpec, XToke
 from .ipc import TeacherLogitsProducer, rebuild_teacher_full_logits_from_ipc
 
 # %% auto #0
-__all__ = ['TEACHER_CTX', 'STUDENT_CTX', 'ARMS', 'DEFAULT_ARMS', 'PRESETS', 'Corpus', 'load_corpus', 'DemoTokenizers',
-           'train_tokenizers', 'EvalSet', 'make_eval_set', 'WindowPlan', 'plan_windows', 'GPTConfig', 'teacher_config',
-           'student_config', 'TinyGPT', 'TrainConfig', 'bits_per_byte', 'TeacherRun', 'train_teacher', 'DemoProjection',
-           'demo_projection', 'ArmSpec', 'StudentRun', 'train_student', 'DemoConfig', 'render_report', 'DemoResult',
-           'run_demo', 'tune_alm']
+__all__ = ['TEACHER_CTX', 'STUDENT_CTX', 'DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'PRESETS', 'Corpus',
+           'load_corpus', 'DemoTokenizers', 'train_tokenizers', 'EvalSet', 'make_eval_set', 'WindowPlan',
+           'plan_windows', 'GPTConfig', 'teacher_config', 'student_config', 'TinyGPT', 'TrainConfig', 'bits_per_byte',
+           'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'load_tuning', 'ArmSpec', 'StudentRun',
+           'train_student', 'DemoConfig', 'render_report', 'DemoResult', 'train_arms', 'DemoInputs', 'prepare_demo',
+           'run_demo']
 
 # %% ../nbs/10_distill.ipynb #54be6703
 _BLOCK_BYTES = 64 * 1024  # block size of a user corpus (`--corpus FILE`)
@@ -350,6 +352,7 @@ class EvalSet:
     student_ids: list[list[int]] # student ids with the start marker
     teacher_ids: list[list[int]] # teacher ids with the start marker
     stats: dict # drawn, excluded_overflow, excluded_roundtrip, kept, seed
+    starts: list[int] = field(default_factory=list) # each kept window's first character in the held-out text
 
     def __len__(self): return len(self.texts)
     def __repr__(self): return f"EvalSet({len(self)} windows, {self.n_bytes:,} bytes, stats={self.stats})"
@@ -358,11 +361,23 @@ class EvalSet:
     def head(self, n: int) -> "EvalSet":
         "The first `n` windows."
         if not 1 <= n <= len(self): raise ValueError(f"n: expected 1..{len(self)}, got {n}")
-        return EvalSet(self.texts[:n], self.student_ids[:n], self.teacher_ids[:n], dict(self.stats, used=n))
+        return EvalSet(self.texts[:n], self.student_ids[:n], self.teacher_ids[:n], dict(self.stats, used=n), self.starts[:n])
 
 # %% ../nbs/10_distill.ipynb #f62b5de5
 def _round_trips(tok, ids, text) -> bool:
     return tok.unk_token_id not in ids and tok.decode(ids, skip_special_tokens=True) == text
+
+def _window_starts(n_chars: int, n_windows: int, seed: int, chars: int, avoid: Sequence[int] = ()) -> np.ndarray:
+    "Uniform window starts; a draw that overlaps a window of `avoid` is replaced by the next draw that does not."
+    rng, high = np.random.default_rng(seed), n_chars - chars + 1
+    if not len(avoid): return rng.integers(0, high, size=n_windows)
+    taken, out = np.sort(np.asarray(avoid, dtype=np.int64)), []
+    for _ in range(1000 * n_windows):
+        s = int(rng.integers(0, high))
+        i = int(np.searchsorted(taken, s))
+        if all(abs(s - int(taken[j])) >= chars for j in (i - 1, i) if 0 <= j < len(taken)): out.append(s)
+        if len(out) == n_windows: return np.asarray(out, dtype=np.int64)
+    raise ValueError(f"avoid: could not draw {n_windows} windows of {chars} characters clear of {len(taken)} others")
 
 def make_eval_set(
     heldout_text: str, # the held-out text
@@ -373,11 +388,12 @@ def make_eval_set(
     chars: int = _WINDOW_CHARS, # characters per window
     teacher_ctx: int = TEACHER_CTX, # teacher context, start marker included
     student_ctx: int = STUDENT_CTX, # student context, start marker included
+    avoid: Sequence[int] = (), # starts of windows (of `chars` characters) that no drawn window may overlap
 ) -> EvalSet:
     "Fixed held-out windows that fit both contexts and round-trip through both tokenizers."
     if len(heldout_text) < chars:
         raise ValueError(f"heldout_text: expected at least {chars} characters for one window, got {len(heldout_text)}")
-    starts = np.random.default_rng(seed).integers(0, len(heldout_text) - chars + 1, size=n_windows)
+    starts = _window_starts(len(heldout_text), n_windows, seed, chars, avoid)
     drawn = [heldout_text[s : s + chars] for s in starts]
     s_ids, t_ids = _encode_windows(toks.student, drawn), _encode_windows(toks.teacher, drawn)
     keep, overflow, roundtrip = [], 0, 0
@@ -393,7 +409,8 @@ def make_eval_set(
     if roundtrip > _MAX_ROUNDTRIP_EXCLUSION * n_windows:
         raise ValueError(f"evaluation windows: {roundtrip} of {n_windows} fail the round trip through the tokenizers "
                          f"(at most {_MAX_ROUNDTRIP_EXCLUSION:.0%} may be excluded)")
-    return EvalSet([drawn[i] for i in keep], [s_ids[i] for i in keep], [t_ids[i] for i in keep], stats)
+    return EvalSet([drawn[i] for i in keep], [s_ids[i] for i in keep], [t_ids[i] for i in keep], stats,
+                   [int(starts[i]) for i in keep])
 
 # %% ../nbs/10_distill.ipynb #b4ed0df3
 @dataclass(repr=False)
@@ -912,7 +929,7 @@ class DemoProjection:
     def report_path(self) -> Path: return default_report_path(self.path)
 
 def _projection_key(toks: DemoTokenizers, top_k: int) -> str:
-    blob = dict(version=1, student=toks.fingerprints["student"], teacher=toks.fingerprints["teacher"], top_k=top_k)
+    blob = dict(version=2, student=toks.fingerprints["student"], teacher=toks.fingerprints["teacher"], top_k=top_k)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 def _exact_map_sizes(path: Path, toks: DemoTokenizers) -> dict:
@@ -945,18 +962,12 @@ def demo_projection(
     return DemoProjection(path, meta, _exact_map_sizes(path, toks), False, build_s)
 
 # %% ../nbs/10_distill.ipynb #5fe805d3
-_ALM_TUNING = dict(  # the ALM setting chosen on a seed outside the reported ones (see "Tuning ALM")
-    seed=7, steps=300, eval_windows=256, chosen=dict(weight=0.1, alm_tau=100.0),
-    note="tune_alm on the default preset (seed 7, 300 student steps, 256 windows); delta = BPB minus the ce arm's",
-    grid=[dict(weight=1.0, alm_tau=30.0, delta=+0.0112),
-          dict(weight=1.0, alm_tau=100.0, delta=+0.0177),
-          dict(weight=1.0, alm_tau=300.0, delta=+0.0146),
-          dict(weight=0.3, alm_tau=30.0, delta=+0.0009),
-          dict(weight=0.3, alm_tau=100.0, delta=+0.0179),
-          dict(weight=0.3, alm_tau=300.0, delta=+0.0034),
-          dict(weight=0.1, alm_tau=30.0, delta=-0.0056),
-          dict(weight=0.1, alm_tau=100.0, delta=-0.0080),
-          dict(weight=0.1, alm_tau=300.0, delta=-0.0058)])
+DEMO_TUNING_PATH = Path(xtoken_dp.__file__).parent / "demo_tuning.json"  # written by `xtoken-dp tune`, read by the demo
+
+def load_tuning(path=DEMO_TUNING_PATH) -> dict | None:
+    "The committed tuning record (`xtoken-dp tune`): per KD arm its chosen weight and options; None when there is none."
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
 
 @dataclass(frozen=True)
 class ArmSpec:
@@ -967,17 +978,24 @@ class ArmSpec:
     weight: float = 1.0 # KD weight (0 for CE only)
     label: str = "" # a short description for the report
 
-ARMS: dict[str, ArmSpec] = {a.name: a for a in [
+BASE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [  # each arm's loss mode and fixed options; weight and κ (τ for ALM) come from the tuning record
     ArmSpec("ce", "ce", weight=0.0, label="CE only"),
-    ArmSpec("pkl", "pkl", label="P-KL (projection from the builder, top_k=4)"),
-    ArmSpec("gold", "gold", label="gold (strict exact map, whole chunks, tail L1)"),
-    ArmSpec("hkl", "hkl", label="H-KL (relaxed exact map)"),
-    ArmSpec("alm", "alm", dict(alm_tau=_ALM_TUNING["chosen"]["alm_tau"], alm_divergence="binary_kl"),
-            weight=_ALM_TUNING["chosen"]["weight"], label="ALM (binary KL; weight and τ tuned on seed 7)"),
-    ArmSpec("uld", "uld", dict(uld_topk=None), label="ULD (top-k = min V, untuned weight 1)"),
-    ArmSpec("overlap", "gold", dict(chunk_reduce="first", uncommon_weight=0.0, common_renormalize=True, uncommon_topk=1),
-            label="exact-map KL at chunk starts, renormalised within the common tokens"),
+    ArmSpec("pkl", "pkl", label="P-KL: projected student vs teacher, one-to-one chunks, unseen mass as a bucket"),
+    ArmSpec("gold", "gold", label="gold: strict exact map, one-to-one chunks, common KL + residual bucket + tail L1"),
+    ArmSpec("hkl", "hkl", label="H-KL: relaxed exact map, one-to-one chunks"),
+    ArmSpec("alm", "alm", dict(alm_divergence="binary_kl"), label="ALM: binary KL on chunk likelihoods, every chunk"),
+    ArmSpec("uld", "uld", dict(uld_topk=None), label="ULD: sorted probabilities at chunk starts, every chunk"),
+    ArmSpec("overlap", "gold", dict(common_renormalize=True, uncommon_weight=0.0, uncommon_topk=1),
+            label="exact-map KL renormalised within the common tokens, one-to-one chunks"),
 ]}
+
+def _tuned_arm(arm: ArmSpec, tuning: dict | None) -> ArmSpec:
+    "`arm` with the weight and options the tuning record chose for it (weight 1 and the mode's defaults without one)."
+    chosen = (tuning or {}).get("arms", {}).get(arm.name, {}).get("chosen")
+    if arm.mode == "ce" or chosen is None: return dataclasses.replace(arm, label=arm.label + ("" if arm.mode == "ce" else "; untuned"))
+    return ArmSpec(arm.name, arm.mode, {**arm.options, **chosen["options"]}, float(chosen["weight"]), arm.label + "; tuned")
+
+ARMS: dict[str, ArmSpec] = {n: _tuned_arm(a, load_tuning()) for n, a in BASE_ARMS.items()}
 DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
 
 # %% ../nbs/10_distill.ipynb #c0b6fd6f
@@ -995,8 +1013,11 @@ def _arm_loss_config(
     return XTokenLossConfig(student_vocab_size=student_vocab_size, teachers=[spec], **arm.options)
 
 def _count_key(config: XTokenLossConfig) -> tuple:
-    "What `compute_global_normalizers` depends on: the exact-match gate and which teachers count tokens."
-    return (config.exact_token_match_only, tuple(t.mode == "topk_kl" for t in config.teachers))
+    "What `compute_global_normalizers` depends on: the exact-match gate, and per teacher what it counts."
+    one_to_one = config.effective_chunk_pairs == "one_to_one"
+    return (config.exact_token_match_only,
+            tuple("tokens" if t.mode == "topk_kl" else "one_to_one" if one_to_one and t.mode in PROJECTION_MODES else "chunks"
+                  for t in config.teachers))
 
 # %% ../nbs/10_distill.ipynb #628129ca
 _IPC_KEY = "teacher_0_full_logits_ipc"  # where the handles of the teacher's logits go in the flat batch
@@ -1005,7 +1026,7 @@ _IPC_KEY = "teacher_0_full_logits_ipc"  # where the handles of the teacher's log
 class _TeacherSignal:
     "What one step computes once for every KD arm: the teacher's logits, the global normalisers, the arms' configs."
     logits: Tensor # [B, T_t, V_t] teacher logits on `batch["teacher_0_input_ids"]`, no grad (an IPC view with a producer)
-    normalizers: GlobalNormalizers | None # the step's global counts (None without KD arms)
+    normalizers: dict[str, GlobalNormalizers] # arm name -> the step's global counts for its configuration
     configs: Mapping[str, XTokenLossConfig] # arm name -> its loss configuration
 
 @torch.no_grad()
@@ -1022,10 +1043,10 @@ def _teacher_signal(
     if producer is not None:
         batch[_IPC_KEY] = producer.publish(logits)
         logits = rebuild_teacher_full_logits_from_ipc(batch, key=_IPC_KEY)
-    if len({_count_key(c) for c in configs.values()}) > 1:
-        raise ValueError("configs: the arms count chunks differently; one set of normalisers cannot serve them all")
-    normalizers = compute_global_normalizers([batch], next(iter(configs.values())), group=group) if configs else None
-    return _TeacherSignal(logits, normalizers, dict(configs))
+    counted = {}  # one count (and one all-reduce) per way of counting, shared by the arms that count alike
+    for config in configs.values():
+        if _count_key(config) not in counted: counted[_count_key(config)] = compute_global_normalizers([batch], config, group=group)
+    return _TeacherSignal(logits, {name: counted[_count_key(c)] for name, c in configs.items()}, dict(configs))
 
 def _kd_term(
     arm: ArmSpec, # a KD arm
@@ -1036,7 +1057,7 @@ def _kd_term(
     "The KD term of `arm` for one step (its weight not applied): a scalar connected to `student_logits`."
     if arm.name not in signal.configs: raise KeyError(f"arm {arm.name!r} has no loss configuration in the signal ({sorted(signal.configs)})")
     term = per_chunk_losses(student_logits, batch, {0: signal.logits}, config=signal.configs[arm.name])
-    return term.total / signal.normalizers.n_chunks[0]
+    return term.total / signal.normalizers[arm.name].n_chunks[0]
 
 # %% ../nbs/10_distill.ipynb #1c0b323a
 @dataclass(repr=False)
@@ -1052,6 +1073,7 @@ class StudentRun:
     wall_s: float # this arm's share of the seed's time
     step_s: float # this arm's share of a training step (forward, losses, backward, update)
     eval_s: float # this arm's share of the evaluation time (curves and final BPB)
+    grad_ratio: list = field(default_factory=list) # KD arms: {step, grad_ratio} with |∂KD/∂z| / |∂CE/∂z| at the logits
 
     def __repr__(self): return f"StudentRun({self.arm!r}, seed={self.seed}, final_bpb={self.final_bpb}, {len(self.train_ce)} steps)"
 
@@ -1118,6 +1140,7 @@ class _Lockstep:
             self.students = [copy.deepcopy(init_model).train() for _ in arms]
             self.optimizers = [_make_optimizer(m, train, len(plan)) for m in self.students]
         self.ce_hist, self.kd_hist, self.points = [[] for _ in arms], [[] for _ in arms], [{} for _ in arms]
+        self.ratios = [[] for _ in arms]
         self.clock = _Phases(timings)
         self.step_s = self.eval_s = 0.0
 
@@ -1143,7 +1166,8 @@ class _Lockstep:
         n, steps = len(self.arms), len(self.plan)
         return {a.name: StudentRun(a.name, self.plan.seed, models[i].eval(), self.ce_hist[i], self.kd_hist[i],
                                    _curve_rows(self.points[i], self.ce_hist[i], self.kd_hist[i]) if self.points[i] else [],
-                                   finals[i], (self.step_s + self.eval_s) / n, self.step_s / steps / n, self.eval_s / n)
+                                   finals[i], (self.step_s + self.eval_s) / n, self.step_s / steps / n, self.eval_s / n,
+                                   self.ratios[i])
                 for i, a in enumerate(self.arms)}
 
 # %% ../nbs/10_distill.ipynb #44b2f29c
@@ -1157,7 +1181,7 @@ def batch(self: _Lockstep, step: int) -> dict:
 def signal(self: _Lockstep, batch: dict, producer) -> tuple:
     "The step's teacher signal (None without KD arms) and its global count of CE targets."
     signal = _teacher_signal(self.teacher, batch, self.configs, producer=producer) if self.kd_arms else None
-    n_tok = signal.normalizers.n_tok if signal is not None else float(
+    n_tok = next(iter(signal.normalizers.values())).n_tok if signal is not None else float(
         dp_all_reduce_sum(batch["token_mask"][:, 1:].sum().double()).clamp_min(1))
     return signal, n_tok
 
@@ -1172,13 +1196,24 @@ def record(self: _Lockstep, step: int, batch: dict, ce: list, kd: list, on_step:
         if on_step is not None: on_step(a.name, step, batch, ce[i].detach(), None if kd[i] is None else kd[i].detach())
 
 @patch
-def step(self: _Lockstep, step: int, producer, on_step: Callable | None) -> None:
-    "One training step of every arm."
+def record_ratios(self: _Lockstep, step: int, probes: list) -> None:
+    "Each KD arm's `|∂KD/∂z| / |∂CE/∂z|` at the student logits of this step (squared norms summed over the ranks)."
+    values = torch.tensor([[1.0, 0.0] if p is None else list(p) for p in probes], dtype=torch.float64)
+    if self.world > 1: values = dp_all_reduce_stack(values).reshape(len(self.arms), 2)
+    for i, p in enumerate(probes):
+        if p is not None: self.ratios[i].append(dict(step=step, grad_ratio=math.sqrt(float(values[i, 1] / values[i, 0].clamp_min(1e-300)))))
+
+@patch
+def step(self: _Lockstep, step: int, producer, on_step: Callable | None, probe: bool = False) -> None:
+    "One training step of every arm (`probe`: also measure each KD arm's gradient ratio)."
     start = time.perf_counter()
     batch = self.batch(step); self.clock("batches")
     signal, n_tok = self.signal(batch, producer); self.clock("teacher signal")
-    ce, kd = _step_arms(self.arms, self.students, self.optimizers, batch, signal, n_tok, self.train, self.world, self.clock)
+    probes = [] if probe else None
+    ce, kd = _step_arms(self.arms, self.students, self.optimizers, batch, signal, n_tok, self.train, self.world, self.clock,
+                        probes)
     self.record(step, batch, ce, kd, on_step)
+    if probes is not None: self.record_ratios(step, probes)
     self.step_s += time.perf_counter() - start
     self.clock("backward + update")
 
@@ -1215,7 +1250,7 @@ def train_student(
         run.evaluate(0, curve_set); run.clock("evaluation")
         bar = tqdm(range(len(plan)), desc=f"seed {plan.seed}: {len(arms)} arms", disable=not progress or run.rank != 0, leave=False)
         for step in bar:
-            run.step(step, producer, on_step)
+            run.step(step, producer, on_step, probe=step % curve_every == 0)
             if (step + 1) % curve_every == 0 or step + 1 == len(plan): run.evaluate(step + 1, curve_set); run.clock("evaluation")
         finals = run.final_bpb(eval_set)
     finally:
@@ -1223,12 +1258,21 @@ def train_student(
     return run.runs(finals)
 
 # %% ../nbs/10_distill.ipynb #4b9ad64f
-def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, clock):
-    "Forward, losses, backward and update of every arm for one batch; returns each arm's CE and KD (None for `ce`)."
+def _grad_norms(ce: Tensor, kd: Tensor | None, logits: Tensor) -> tuple[float, float] | None:
+    "Squared norms of `∂CE/∂logits` and `∂KD/∂logits` (this rank's share), the graph kept for the update's backward."
+    if kd is None: return None
+    g_ce, = torch.autograd.grad(ce, logits, retain_graph=True)
+    g_kd, = torch.autograd.grad(kd, logits, retain_graph=True)
+    return float(g_ce.double().square().sum()), float(g_kd.double().square().sum())
+
+def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, clock, probes=None):
+    """Forward, losses, backward and update of every arm for one batch; returns each arm's CE and KD (None for `ce`).
+    With a list `probes`, each arm's squared gradient norms of CE and KD at its logits are appended to it first."""
     ids, mask, sample = batch["input_ids"], batch["token_mask"], batch["sample_mask"]
     def losses(arm, logits):
         ce = _next_token_ce(logits, ids, mask, sample, normalizer=n_tok)
         kd = _kd_term(arm, logits, batch, signal) if arm.mode != "ce" else None
+        if probes is not None: probes.append(_grad_norms(ce, kd, logits))
         return ce, kd, (ce if kd is None else ce + arm.weight * kd)
     group = get_dp_group()
     if isinstance(students, _ArmStack):
@@ -1270,8 +1314,9 @@ def _curves_figure(rows: Sequence[Mapping], teacher_bpb: float, title: str):
 
 # %% ../nbs/10_distill.ipynb #fd39e8f4
 PRESETS = {
-    "default": dict(seeds=3, teacher_steps=800, student_steps=300, eval_windows=256),
-    "quick": dict(seeds=1, teacher_steps=150, student_steps=60, eval_windows=32),
+    "default": dict(seeds=3, teacher_steps=800, student_steps=300, eval_windows=256, arms=("ce", "gold", "overlap")),
+    "quick": dict(seeds=1, teacher_steps=150, student_steps=60, eval_windows=32, arms=DEFAULT_ARMS),
+    "full": dict(seeds=5, teacher_steps=800, student_steps=300, eval_windows=256, arms=DEFAULT_ARMS),
 }
 
 @dataclass
@@ -1283,7 +1328,7 @@ class DemoConfig:
     student_steps: int | None = None # updates per student arm (equal for every arm)
     teacher_steps: int | None = None # teacher updates
     eval_windows: int | None = None # evaluation windows for the final BPB (of the 256 drawn)
-    arms: tuple = DEFAULT_ARMS # arm names
+    arms: tuple | None = None # arm names (None: the preset's)
     kd_weights: dict = field(default_factory=dict) # arm -> KD weight overrides
     threads: int = 2 # CPU threads of the run (split over the data-parallel processes)
     dp: int = 2 # data-parallel processes per student (1 or 2)
@@ -1415,10 +1460,16 @@ def _run_notes(results: dict) -> list[str]:
              for name, arm in arms.items() if name != "ce" and arm.get("delta_mean") is not None and arm["delta_mean"] > 0]
     overridden = [f"`{n}` weight {a['weight']:g}" for n, a in arms.items() if a.get("weight_overridden")]
     if overridden: notes.append(f"KD weights overridden in this run: {', '.join(overridden)}.")
-    tuning = results.get("alm_tuning")
-    if "alm" in arms and tuning:
-        notes.append(f"ALM's weight and τ were chosen on seed {tuning['seed']}, which no reported run uses: "
-                     f"weight {tuning['chosen']['weight']:g}, τ={tuning['chosen']['alm_tau']:g}.")
+    tuning, kd = results.get("tuning"), [n for n, a in arms.items() if a["mode"] != "ce"]
+    if kd and tuning:
+        p = tuning["protocol"]
+        notes.append(f"Every KD arm's weight and κ (τ for ALM) were chosen by `xtoken-dp tune` with the same budget, on seeds "
+                     f"{', '.join(map(str, p['seeds']))} and {p['eval_windows']} held-out windows that no reported run uses.")
+    elif kd: notes.append("No tuning record: every KD arm ran at weight 1 with its mode's defaults.")
+    ratios = {n: [p["grad_ratio"] for s in a["seeds"].values() for p in s.get("grad_ratio", [])] for n, a in arms.items()}
+    if any(ratios.values()):
+        notes.append("Gradient ratio |∂KD/∂z| / |∂CE/∂z| at the student's logits, unweighted, mean over the curve points: " +
+                     ", ".join(f"`{n}` {np.mean(r):.2f}" for n, r in ratios.items() if r) + ".")
     notes.append(f"Measured at a fixed small budget of {cfg['student_steps']} student steps per arm "
                  f"({_plural(cfg['seeds'], 'seed')}, {ev['used']} held-out windows of {ev['chars']} characters); the curves "
                  f"show how the gaps develop, and gains at other budgets can differ.")
@@ -1526,7 +1577,8 @@ def _dp_worker_main(argv: Sequence[str] | None = None) -> int:
         runs, phases = _run_student_job(job)
         if rank == 0:
             record = [dict(arm=r.arm, seed=r.seed, state=r.model.state_dict(), train_ce=r.train_ce, train_kd=r.train_kd,
-                           curve=r.curve, final_bpb=r.final_bpb, wall_s=r.wall_s, step_s=r.step_s, eval_s=r.eval_s)
+                           curve=r.curve, final_bpb=r.final_bpb, wall_s=r.wall_s, step_s=r.step_s, eval_s=r.eval_s,
+                           grad_ratio=r.grad_ratio)
                       for r in runs.values()]
             torch.save(dict(runs=record, phases=phases), result_path)
     finally:
@@ -1581,7 +1633,10 @@ def _run_student_job_dp(job: dict, world: int, scratch: Path) -> tuple[dict, dic
     return runs, record["phases"]
 
 # %% ../nbs/10_distill.ipynb #17344ed0
-def _train_all_students(config, arms, corpus, toks, teacher, projection, eval_set, curve_set, log, timings) -> dict:
+def train_arms(config: DemoConfig, arms: list, corpus, toks, teacher, projection, eval_set, curve_set, log=print,
+               timings: dict | None = None) -> dict:
+    "Train `arms` (ArmSpecs) for every seed of `config`, here or in `config.dp` gloo processes: `(arm, seed) -> StudentRun`."
+    timings = {} if timings is None else timings
     job = _student_job(config, arms, corpus, toks, teacher, projection, eval_set, curve_set, log, timings)
     start = time.perf_counter()
     if config.dp == 1:
@@ -1599,6 +1654,11 @@ def _train_all_students(config, arms, corpus, toks, teacher, projection, eval_se
     return runs
 
 # %% ../nbs/10_distill.ipynb #7272a9ab
+def _tuning_summary(tuning: dict | None) -> dict | None:
+    "The tuning record without its trials: the protocol and each arm's chosen setting."
+    if tuning is None: return None
+    return dict(protocol=tuning["protocol"], chosen={name: arm["chosen"] for name, arm in tuning["arms"].items()})
+
 def _results(config, arms, corpus, toks, eval_set, curve_set, alignment, projection, teacher, teacher_bpb, runs) -> dict:
     arm_results = {}
     for a in arms:
@@ -1608,7 +1668,7 @@ def _results(config, arms, corpus, toks, eval_set, curve_set, alignment, project
             seeds[str(seed)] = dict(final_bpb=run.final_bpb, train_ce_initial=run.train_ce[0],
                                     train_ce_final=float(np.mean(run.train_ce[-10:])), train_kd_initial=run.train_kd[0],
                                     train_kd_final=float(np.mean(run.train_kd[-10:])), curve=run.curve, wall_s=run.wall_s,
-                                    step_s=run.step_s, eval_s=run.eval_s)
+                                    step_s=run.step_s, eval_s=run.eval_s, grad_ratio=run.grad_ratio)
         arm_results[a.name] = dict(mode=a.mode, label=a.label, weight=a.weight, options=a.options,
                                    weight_overridden=a.name in config.kd_weights, seeds=seeds)
     _summarise_arms(arm_results)
@@ -1627,7 +1687,7 @@ def _results(config, arms, corpus, toks, eval_set, curve_set, alignment, project
                      train_s=teacher.train_s, step_s=teacher.step_s, train_ce_initial=teacher.losses[0],
                      train_ce_final=float(np.mean(teacher.losses[-10:])), shape=asdict(teacher.model.config)),
         student=dict(shape=asdict(student_config(len(toks.student))), train=asdict(TrainConfig())),
-        alm_tuning=_ALM_TUNING, arms=arm_results)
+        tuning=_tuning_summary(load_tuning()), arms=arm_results)
     results["b8"] = _bar_checks(results)
     return results
 
@@ -1655,7 +1715,7 @@ def _timed(timings: dict, name: str, fn: Callable):
     return value
 
 @dataclass(repr=False)
-class _Prepared:
+class DemoInputs:
     "What a run prepares before its students."
     corpus: Corpus # the corpus
     toks: DemoTokenizers # the tokenizers
@@ -1666,8 +1726,10 @@ class _Prepared:
     teacher_bpb: float # the teacher's BPB on `eval_set`
     projection: DemoProjection # the projection
 
-def _prepare_run(config: DemoConfig, log: _RunLog, timings: dict) -> _Prepared:
+def prepare_demo(config: DemoConfig, log: _RunLog | None = None, timings: dict | None = None) -> DemoInputs:
     "Every stage before the students, each timed and logged: corpus, tokenizers, windows, alignment, teacher, projection."
+    log = log if log is not None else _RunLog(Path(os.devnull), config.verbose)
+    timings = {} if timings is None else timings
     timed = lambda name, fn: _timed(timings, name, fn)
     corpus = timed("corpus", lambda: load_corpus(config.corpus))
     log(f"corpus: {corpus!r}")
@@ -1688,9 +1750,9 @@ def _prepare_run(config: DemoConfig, log: _RunLog, timings: dict) -> _Prepared:
     log(f"teacher: {teacher!r}, {teacher.step_s * 1000:.0f} ms/step, BPB {teacher_bpb:.4f}")
     projection = timed("projection", lambda: demo_projection(toks, config.cache_path, no_cache=config.no_cache))
     log(f"projection: {projection!r}")
-    return _Prepared(corpus, toks, eval_set, curve_set, alignment, teacher, teacher_bpb, projection)
+    return DemoInputs(corpus, toks, eval_set, curve_set, alignment, teacher, teacher_bpb, projection)
 
-def _finish_run(config: DemoConfig, arms: list, prep: _Prepared, runs: dict, out: Path, log: _RunLog, timings: dict,
+def _finish_run(config: DemoConfig, arms: list, prep: DemoInputs, runs: dict, out: Path, log: _RunLog, timings: dict,
                 wall: float) -> DemoResult:
     "The results, the report and the output files of a finished run."
     start = time.perf_counter()
@@ -1720,8 +1782,8 @@ def run_demo(
         log(f"demo: preset {config.preset}, corpus {config.corpus}, arms {', '.join(config.arms)}, seeds {config.seed_list}, "
             f"{config.student_steps} student steps, {config.threads} thread(s), dp {config.dp}"
             f"{', teacher logits via IPC' if config.via_ipc else ''}, out {out}")
-        prep = _prepare_run(config, log, timings)
-        runs = _train_all_students(config, arms, prep.corpus, prep.toks, prep.teacher.model, prep.projection, prep.eval_set,
+        prep = prepare_demo(config, log, timings)
+        runs = train_arms(config, arms, prep.corpus, prep.toks, prep.teacher.model, prep.projection, prep.eval_set,
                                    prep.curve_set, log, timings)
         torch.set_num_threads(config.threads)
         return _finish_run(config, arms, prep, runs, out, log, timings, wall)
@@ -1731,33 +1793,3 @@ def run_demo(
     finally:
         torch.set_num_threads(threads_before)
         log.close()
-
-# %% ../nbs/10_distill.ipynb #b6a1703f
-def tune_alm(
-    config: DemoConfig | None = None, # the run's settings (default: the default preset on seed 7 only)
-    *,
-    weights: Sequence[float] = (1.0, 0.3, 0.1), # KD weights to try
-    taus: Sequence[float] = (30.0, 100.0, 300.0), # ALM τ values to try
-) -> dict:
-    "ALM's weight and τ chosen by BPB Δ against CE on seeds that no reported run uses."
-    config = config if config is not None else DemoConfig(seeds=1, seed_offset=_ALM_TUNING["seed"], progress=False, verbose=False)
-    reported = set(range(PRESETS["default"]["seeds"]))
-    if set(config.seed_list) & reported:
-        raise ValueError(f"config: tune on seeds that no report uses (not {sorted(reported)}), got {config.seed_list}")
-    log = print if config.verbose else (lambda message: None)
-    corpus = load_corpus(config.corpus)
-    toks = train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache)
-    eval_set = make_eval_set(corpus.heldout_text, toks, max(_EVAL_WINDOWS, config.eval_windows)).head(config.eval_windows)
-    curve_set = eval_set.head(min(config.curve_windows, len(eval_set)))
-    teacher = train_teacher(corpus, toks, steps=config.teacher_steps, cache_dir=config.cache_path, progress=config.progress)
-    projection = demo_projection(toks, config.cache_path)
-    arms = [ARMS["ce"]] + [ArmSpec(f"alm_w{w:g}_tau{t:g}", "alm", dict(alm_tau=float(t), alm_divergence="binary_kl"), weight=float(w))
-                           for w in weights for t in taus]
-    runs = _train_all_students(config, arms, corpus, toks, teacher.model, projection, eval_set, curve_set, log, {})
-    grid = []
-    for a in arms[1:]:
-        deltas = [runs[(a.name, s)].final_bpb - runs[("ce", s)].final_bpb for s in config.seed_list]
-        grid.append(dict(weight=a.weight, alm_tau=a.options["alm_tau"], delta=float(np.mean(deltas)), deltas=deltas))
-    best = min(grid, key=lambda g: g["delta"])
-    return dict(seed=config.seed_list[0] if len(config.seed_list) == 1 else config.seed_list, steps=config.student_steps,
-                eval_windows=len(eval_set), chosen=dict(weight=best["weight"], alm_tau=best["alm_tau"]), grid=grid)
