@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 import numpy as np
-from .distill import (ARMS, BASE_ARMS, DEMO_TUNING_PATH, PRESETS, ArmSpec, DemoConfig, load_tuning, make_eval_set,
+from .distill import (ARMS, BASE_ARMS, DEMO_TUNING_PATH, ArmSpec, DemoConfig, make_eval_set,
                                prepare_demo, run_demo, train_arms)
 
 # %% auto #0
