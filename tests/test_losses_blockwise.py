@@ -213,3 +213,69 @@ def test_fused_lm_head_in_fp32(dense):
     for got, expected in zip(grads, grads_e):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+def test_fused_forward_keeps_no_graph_of_its_blocks(dense):
+    "The gradients the fused forward keeps for backward are plain tensors: no autograd graph holds a block's logits."
+    config = configs(dense)["gold"]
+    batch, _, teachers = data_for(config, 73)
+    hidden, weight, bias = (t.requires_grad_() for t in fused_inputs(74, batch))
+    loss, _ = L.xtoken_kd_loss_fused(hidden, weight, batch, teachers, config=dataclasses.replace(config, block_size=2),
+                                     normalizers=L.compute_global_normalizers(batch, config), bias=bias)
+    kept = loss.grad_fn.grads  # the custom function's context holds them until backward
+    assert len(kept) == 3 and all(g.grad_fn is None and not g.requires_grad for g in kept)
+
+
+def test_fused_grad_accumulation_dtype(dense):
+    "bf16 weights: summing the lm_head gradient in fp32 rounds once; the default sums in bf16, one rounding per block."
+    config = configs(dense)["pkl"]
+    batch, _, teachers = data_for(config, 75, dtype=torch.float32)
+    hidden, weight, bias = fused_inputs(76, batch, torch.bfloat16)
+    norms = L.compute_global_normalizers(batch, config)
+    def grads(**kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss, _ = L.xtoken_kd_loss_fused(*leaves[:2], batch, teachers, config=dataclasses.replace(config, block_size=1),
+                                         normalizers=norms, bias=leaves[2], **kw)
+        return torch.autograd.grad(loss, leaves)
+    exact = [g.float() for g in grads(grad_accum_dtype=torch.float64)]
+    fp32, default = grads(grad_accum_dtype=torch.float32), grads()
+    assert all(g.dtype == torch.bfloat16 for g in fp32 + default)
+    for g, e in zip(fp32[1:], exact[1:]): torch.testing.assert_close(g.float(), e.to(torch.bfloat16).float(), rtol=0, atol=0)
+    T = batch["input_ids"].shape[1]  # one bf16 rounding per block (T blocks) at most
+    for g, e in zip(default[1:], exact[1:]): assert (g.float() - e).abs().max() <= T * 2 ** -8 * e.abs().max()
+    with pytest.raises(TypeError, match="grad_accum_dtype"): grads(grad_accum_dtype="float32")
+
+# ------------------------------------------------------------------------------------------------------ on a GPU
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor): return obj.to(device)
+    return {k: _to(v, device) for k, v in obj.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", NAMES)
+def test_blocks_and_fused_on_cuda_equal_the_cpu_whole_microbatch(dense, name):
+    "On a GPU, every configuration's blocked and fused forms give the CPU's whole-microbatch loss and gradients (fp64)."
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 71)
+    whole = loss_grad_metrics(config, student, batch, teachers)
+    on = lambda x: _to(x, "cuda")
+    got = loss_grad_metrics(config, on(student), on(batch), on(teachers), L.compute_global_normalizers(batch, config), 3)
+    assert_equal_results((got[0].cpu(), got[1].cpu(), got[2]), whole, 1e-9, f"{name} on cuda, block_size=3")
+    if config.teachers[0].mode == "topk_kl": return  # the fused form is checked on the cross-vocabulary modes
+    hidden, weight, bias = fused_inputs(72, batch)
+    (loss, grads, _), (loss_e, grads_e, _) = fused_and_plain(config, on(batch), on(teachers), on(hidden), on(weight),
+                                                             on(bias), 3)
+    assert abs(loss.item() - loss_e.item()) <= 1e-9 * max(1.0, abs(loss_e.item())), name
+    for g, e in zip(grads, grads_e): torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_size", (None, 2))
+def test_a_target_id_past_the_logits_width_is_refused(dense, block_size):
+    "An input id the student logits cannot score is refused once per microbatch, blocked or not, naming the width."
+    config = dataclasses.replace(configs(dense)["alm"], block_size=block_size)
+    batch, student, teachers = data_for(config, 79)
+    batch["input_ids"] = batch["input_ids"].clone()
+    batch["input_ids"][0, 1] = student.shape[-1] + 3
+    with pytest.raises(ValueError, match=f"target ids must be < the logits width {student.shape[-1]}, got {student.shape[-1] + 3}"):
+        L.xtoken_kd_loss(student, batch, teachers, config=config, normalizers=L.compute_global_normalizers(batch, config))

@@ -65,6 +65,7 @@ def _check_chunk_id(chunk_id, shape):
 
 def chunk_buckets(chunk_id: Tensor, # [B, T] integer chunk ids in [-1, max_chunks), any strides; -1 = no chunk
                   max_chunks: int, # C, the number of chunk slots per sample
+                  *, validate: bool = True, # check the ids' range (one device sync); False: the caller vouches for it
                  ) -> tuple[Tensor, Tensor]:
     "The flat bucket `b*C + c` of every position (`B*C`, a dump bucket, for id -1) and the int64 bucket sizes `[B, C]`."
     C = _check_max_chunks(max_chunks)
@@ -73,7 +74,7 @@ def chunk_buckets(chunk_id: Tensor, # [B, T] integer chunk ids in [-1, max_chunk
     _check_chunk_id(chunk_id, chunk_id.shape)
     B, T = chunk_id.shape
     ids = chunk_id.reshape(B * T).to(torch.int64)
-    if ids.numel():
+    if validate and ids.numel():
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < -1 or hi >= C:
             bad = lo if lo < -1 else hi
@@ -120,12 +121,13 @@ def _check_values(values, name):
 def chunk_average_log_probs(log_probs: Tensor, # [B, T, V] values to average (log-probs, probabilities, ...)
                             chunk_id: Tensor, # [B, T] chunk ids in [-1, max_chunks); -1 = in no chunk
                             max_chunks: int, # C, chunk slots per sample
+                            *, validate: bool = True, # check the ids' range (as `chunk_buckets`)
                            ) -> tuple[Tensor, Tensor]:
     "`Mean_c` by segment sums: `(avg [B, C, V], sizes [B, C])`; empty chunks give 0 with size 0."
     _check_values(log_probs, "log_probs")
     B, T, V = log_probs.shape
     _check_chunk_id(chunk_id, (B, T))
-    buckets, counts = chunk_buckets(chunk_id, max_chunks)
+    buckets, counts = chunk_buckets(chunk_id, max_chunks, validate=validate)
     sizes = counts.to(log_probs.device, torch.promote_types(log_probs.dtype, torch.float32))
     return _ChunkMean.apply(log_probs, buckets.to(log_probs.device), sizes, int(max_chunks)), sizes
 
@@ -133,12 +135,13 @@ def chunk_average_log_probs(log_probs: Tensor, # [B, T, V] values to average (lo
 def chunk_first(values: Tensor, # [B, T, V] values
                 chunk_id: Tensor, # [B, T] chunk ids in [-1, max_chunks)
                 max_chunks: int, # C, chunk slots per sample
+                *, validate: bool = True, # check the ids' range (as `chunk_buckets`)
                ) -> tuple[Tensor, Tensor]:
     "`First_c`: the row at each chunk's first position, `(first [B, C, V], sizes [B, C])`; empty chunks give 0."
     _check_values(values, "values")
     B, T, V = values.shape
     _check_chunk_id(chunk_id, (B, T))
-    buckets, counts = (t.to(values.device) for t in chunk_buckets(chunk_id, max_chunks))
+    buckets, counts = (t.to(values.device) for t in chunk_buckets(chunk_id, max_chunks, validate=validate))
     C, acc = int(max_chunks), torch.promote_types(values.dtype, torch.float32)
     if B * T == 0 or B * C == 0: return values.new_zeros((B, C, V), dtype=acc), counts.to(acc)
     positions = torch.arange(B * T, device=values.device)
@@ -721,11 +724,11 @@ def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _next_logprob(logits, targets, mask):
-    "`log softmax(logits)[target]` per position (full width), 0 where `mask` is False."
+def _next_logprob(logits, targets, mask, check=True):
+    "`log softmax(logits)[target]` per position (full width), 0 where `mask` is False (`check=False`: targets known < width)."
     width = logits.shape[-1]
     picked = targets.clamp(0, max(width - 1, 0))
-    if bool((mask & (targets >= width)).any()):
+    if check and bool((mask & (targets >= width)).any()):
         raise ValueError(f"target ids must be < the logits width {width}, got {int(targets[mask].max())}")
     out = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
     return torch.where(mask, out, 0.)
@@ -753,6 +756,9 @@ class _Microbatch:
         self.targets = torch.zeros_like(self.ids)
         self.targets[:, :-1] = self.ids[:, 1:]
         self._chunks = {}
+        on = self.token_mask & self.sample_on[:, None].bool()  # one check for the whole microbatch (one device sync)
+        if bool((on & (self.ids >= self.W)).any()):
+            raise ValueError(f"target ids must be < the logits width {self.W}, got {int(self.ids[on].max())}")
 
     @cached_property
     def z(self) -> Tensor:
@@ -762,7 +768,7 @@ class _Microbatch:
     @cached_property
     def next_logprob(self) -> Tensor:
         "`log softmax(z[b,p])[x[b,p+1]]` at full width `W_s` where the next token is a CE target, else 0."
-        return _next_logprob(self.z, self.targets, self.next_mask)
+        return _next_logprob(self.z, self.targets, self.next_mask, check=False)  # checked in __init__
 
     def sliced(self, width, what):
         "The student logits cut to the `width` columns of the student vocabulary that `what` reads (a `ValueError` if narrower)."
@@ -894,7 +900,7 @@ def _term(per_unit, valid, **stats):
 
 def _reduce(values, chunk_id, C, how):
     "`Mean_c` or `First_c` of `[B, T, V]` values."
-    return (chunk_first if how == "first" else chunk_average_log_probs)(values, chunk_id, C)[0]
+    return (chunk_first if how == "first" else chunk_average_log_probs)(values, chunk_id, C, validate=False)[0]  # ids of a checked `_Chunks`
 
 # %% ../nbs/08_losses.ipynb #e56ecd0f
 def _tempered(logits, temperature):
@@ -1094,7 +1100,7 @@ def _topk_kl_term(mb, y, cols=None):
 def _chunk_sum(values, chunk_id, C):
     "`Σ_{p: chunk_id[p]=c} values[b, p]` as `[B, C]`."
     B = values.shape[0]
-    buckets, _ = chunk_buckets(chunk_id, C)
+    buckets, _ = chunk_buckets(chunk_id, C, validate=False)  # ids of a checked `_Chunks`
     sums = values.new_zeros(B * C + 1).index_add(0, buckets, values.reshape(-1))
     return sums[:B * C].reshape(B, C)
 
@@ -1114,7 +1120,7 @@ def _alm_target_logprob(teacher, chunks):
 
 def _alm_term(mb, teacher, chunks):
     cfg, C = mb.config, chunks.max_chunks
-    L_s = _chunk_sum(_next_logprob(mb.z, mb.targets, chunks.sigma >= 0), chunks.sigma, C)
+    L_s = _chunk_sum(_next_logprob(mb.z, mb.targets, chunks.sigma >= 0, check=False), chunks.sigma, C)
     L_t = _chunk_sum(_alm_target_logprob(teacher, chunks), chunks.tau, C)
     tau = cfg.alm_tau
     # [B, C] values only: the divergence runs in fp64, where its two terms cancel without rounding below 0
@@ -1128,8 +1134,8 @@ def _alm_term(mb, teacher, chunks):
 # %% ../nbs/08_losses.ipynb #e4518012
 def _uld_term(mb, teacher, chunks):
     cfg, spec, C = mb.config, teacher.spec, chunks.max_chunks
-    first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C)[0]
-    first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C)[0]
+    first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C, validate=False)[0]
+    first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C, validate=False)[0]
     k = min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size)
     uld = _sorted_l1(torch.softmax(_tempered(first_s, cfg.uld_student_temperature), -1),
                      torch.softmax(_tempered(first_t, cfg.uld_teacher_temperature), -1), int(k))
@@ -1299,6 +1305,7 @@ class _Block:
     p0: int
     p1: int
     spans: dict  # teacher index -> (q0, q1)
+    ranges: dict = dataclasses.field(default_factory=dict)  # teacher index -> (lo, hi): the block's chunk ids (hi < lo: none)
 
 
 def _prefix_max(ids):
@@ -1409,14 +1416,23 @@ def _plan_blocks(mb, teachers, computed, size):
     blocks, every = [], torch.ones(mb.T + 1, dtype=torch.bool)
     for b in range(mb.B):
         if not bool(mb.sample_on[b]): continue
-        cuts = {}
+        cuts, ids = {}, {}
         for i in computed:
             if teachers[i].spec.mode == "topk_kl": cuts[i] = (every, torch.arange(mb.T + 1))
             else:
                 chunks = mb.chunks(i, teachers[i].T)
-                cuts[i] = _block_cuts(chunks.sigma[b], chunks.tau[b])
-        blocks += _sample_blocks(b, mb.T, cuts, size or mb.T)
+                ids[i] = chunks.sigma[b].to("cpu", torch.int64), chunks.tau[b].to("cpu", torch.int64)
+                cuts[i] = _block_cuts(*ids[i])
+        for blk in _sample_blocks(b, mb.T, cuts, size or mb.T):
+            blk.ranges = {i: _id_range(s[blk.p0:blk.p1], t[slice(*blk.spans[i])]) for i, (s, t) in ids.items()}
+            blocks.append(blk)
     return blocks
+
+
+def _id_range(sigma, tau):
+    "`(lo, hi)` of the chunk ids >= 0 in two CPU id rows; `(0, -1)` when there are none."
+    ids = torch.cat([sigma[sigma >= 0], tau[tau >= 0]])
+    return (int(ids.min()), int(ids.max())) if ids.numel() else (0, -1)
 
 
 def _plan(mb, teachers, config, normalizers, group):
@@ -1442,10 +1458,8 @@ def _plan(mb, teachers, config, normalizers, group):
 # %% ../nbs/08_losses.ipynb #ace3b96c
 def _block_chunks(chunks, blk, span):
     "A teacher's chunks inside one block, ids re-based to 0 (a block never splits a chunk, so the ids form one range)."
-    (q0, q1), b = span, blk.b
+    ((q0, q1), (lo, hi)), b = span, blk.b  # the range was found when the blocks were planned: no device sync here
     sigma, tau = chunks.sigma[b:b + 1, blk.p0:blk.p1], chunks.tau[b:b + 1, q0:q1]
-    ids = torch.cat([sigma[sigma >= 0], tau[tau >= 0]])
-    lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, -1)
     rebase = lambda x: torch.where(x >= 0, x - lo, -1)
     return _Chunks(rebase(sigma), rebase(tau), chunks.valid[b:b + 1, lo:hi + 1], hi - lo + 1)
 
@@ -1474,7 +1488,8 @@ def _block_teacher(teacher, part, blk, columns):
 def _block_parts(mb, teachers, plan, blk, z):
     "CE and KD of one block, graph-connected to its logits `z`, with its counts and teacher terms."
     n = plan.normalizers
-    part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, blk.spans[i]) for i in plan.chunked})
+    part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, (blk.spans[i], blk.ranges[i]))
+                                          for i in plan.chunked})
     ce_sum, correct, n_targets = _ce_terms(part)
     if plan.averaged is not None:
         mean = _mean_logits(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers])
@@ -1494,11 +1509,11 @@ class _TermSum:
         self.total, self.count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
         self.stats = defaultdict(lambda: torch.zeros((), dtype=torch.int64))  # no block at all: every stat is 0
 
-    def add(self, term):
+    def add(self, term):  # sums move to the term's device (a 0-d CPU tensor adds to any): no host sync per block
         self.total = self.total + term.total.detach().double()
-        self.count = self.count + term.count.cpu()
+        self.count = self.count + term.count
         for name, value in term.stats.items():
-            value = value.detach().cpu()
+            value = value.detach()
             self.stats[name] = self.stats[name] + (value.double() if value.is_floating_point() else value)
 
     def finished(self, dtype):
@@ -1515,8 +1530,8 @@ class _BlockSums:
         self.terms = {key: _TermSum() for key in keys}
 
     def add(self, parts):
-        self.ce_sum = self.ce_sum + parts.ce_sum.detach().double().cpu()
-        self.correct, self.n_targets = self.correct + parts.correct.cpu(), self.n_targets + parts.n_targets.cpu()
+        self.ce_sum = self.ce_sum + parts.ce_sum.detach().double()
+        self.correct, self.n_targets = self.correct + parts.correct, self.n_targets + parts.n_targets
         for key, term in parts.terms.items(): self.terms[key].add(term)
 
     def values(self, plan, dtype):
@@ -1538,9 +1553,10 @@ def _run_blocks(mb, teachers, plan, source, factors):
             parts = _block_parts(mb, teachers, plan, blk, z)
             if factors is not None:
                 (grad,) = torch.autograd.grad(factors[0] * parts.kd + factors[1] * parts.ce, z, allow_unused=True)
-                if grad is None: grad = torch.zeros_like(z)
-                width = local.shape[-1]
-                source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
+        if factors is not None:  # stored with autograd off: a product with the lm_head must not keep this block alive
+            if grad is None: grad = torch.zeros_like(z)
+            width = local.shape[-1]
+            source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
         sums.add(parts)
     return sums
 
@@ -1678,9 +1694,10 @@ class XTokenDistillationLoss:
 # %% ../nbs/08_losses.ipynb #a34b70a0
 class _FusedSource:
     "Hidden states and this rank's lm_head rows: each block's logits made when needed, gradients accumulated by block."
-    def __init__(self, hidden, weight, bias, tp_group):
+    def __init__(self, hidden, weight, bias, tp_group, accum_dtype=None):
         _check_fused_inputs(hidden, weight, bias)
         self.hidden, self.weight, self.bias, self.tp_group = hidden, weight, bias, tp_group
+        self.accum_dtype = weight.dtype if accum_dtype is None else torch.promote_types(weight.dtype, accum_dtype)
         self.inputs = (hidden, weight, bias)
         self.tp_rank, self.tp_size = _tp_layout(tp_group)
         B, T, _ = hidden.shape
@@ -1692,7 +1709,7 @@ class _FusedSource:
         return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[None]
 
     def start(self):
-        accumulate = torch.promote_types(self.weight.dtype, torch.float32)
+        accumulate = self.accum_dtype
         self.grad_hidden = torch.zeros_like(self.hidden)
         self.grad_weight = torch.zeros_like(self.weight, dtype=accumulate)
         self.grad_bias = None if self.bias is None else torch.zeros_like(self.bias, dtype=accumulate)
@@ -1734,11 +1751,14 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
                          bias: Tensor | None = None, # [W_s] lm_head bias (this rank's slice), or None
                          group=None, # process group of the scores' all-reduce (None: the DP group)
                          tp_group=None, # tensor-parallel group over which the lm_head rows are sharded (None: unsharded)
+                         grad_accum_dtype: torch.dtype | None = None, # dtype of ∂W's sum over blocks (None: the weight's)
                         ) -> tuple[Tensor, dict]:
     "`xtoken_kd_loss` of `hidden @ lm_head_weight.T (+ bias)`, making one block of student logits at a time."
     if not isinstance(config, XTokenLossConfig): raise TypeError(f"config must be an XTokenLossConfig, got {type(config).__name__}")
     _check_normalizers(normalizers, config)
-    source = _FusedSource(hidden, lm_head_weight, bias, tp_group)
+    if grad_accum_dtype is not None and not (isinstance(grad_accum_dtype, torch.dtype) and grad_accum_dtype.is_floating_point):
+        raise TypeError(f"grad_accum_dtype: expected a floating torch.dtype or None, got {grad_accum_dtype!r}")
+    source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
     size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size())

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -72,9 +73,10 @@ PATHS = ("unblocked", "blocked", "lm_head+unblocked", "fused")  # the ways our l
 
 
 def row_names(modes=LOSS_MODES, # loss modes to run
+              paths=PATHS, # the ways each mode is run
              ) -> list[str]:
     "Every row of a run: the floors, liger-kernel's two losses, then `mode/path` for each mode and path."
-    return [*FLOORS, *LIGER_ROWS, *(f"{mode}/{path}" for mode in modes for path in PATHS)]
+    return [*FLOORS, *LIGER_ROWS, *(f"{mode}/{path}" for mode in modes for path in paths)]
 
 
 def blocked_available() -> bool:
@@ -92,6 +94,7 @@ def liger_status(device: str, # "cpu" or "cuda"
     "None when liger-kernel can run on `device`; otherwise why not ('not installed', 'CUDA only')."
     try: import liger_kernel.transformers  # noqa: F401  an optional baseline, never a dependency
     except ImportError: return "not installed"
+    except Exception as e: return f"installed but does not import ({type(e).__name__}: {e})"
     return None if device.startswith("cuda") else "CUDA only"
 
 
@@ -293,12 +296,15 @@ def measure_row(row: str, # a name from `row_names`
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e029
 def _measure_rows(rows, scale, device, repeats, seed):
-    "Each row measured in turn; a row that runs out of memory reports it instead of ending the run."
+    "Each row measured in turn; a row that runs out of memory or fails reports it instead of ending the run."
     out = []
     for row in rows:
         try: out.append(measure_row(row, scale, device, repeats=repeats, seed=seed))
         except torch.OutOfMemoryError:
             out.append({"row": row, "device": device, **asdict(scale), "error": "out of memory"})
+        except Exception as e:  # one failing row (a baseline's kernel, say) must not lose the others
+            out.append({"row": row, "device": device, **asdict(scale), "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(f"    measured {row}: " + (out[-1].get("error") or f"{out[-1]['median_s'] * 1e3:.1f} ms"), file=sys.stderr, flush=True)
         gc.collect()
         if device.startswith("cuda"): torch.cuda.empty_cache()
     return out
@@ -328,10 +334,18 @@ def measure_in_subprocess(rows: list[str], # row names, measured in turn in one 
     cmd = [sys.executable, "-m", "xtoken_dp.bench.scale", "--worker", ",".join(rows), "--T_s", str(scale.T_s),
            "--V_s", str(scale.V_s), "--V_t", str(scale.V_t), "--hidden", str(scale.hidden), "--dtype", scale.dtype,
            "--device", device, "--repeats", str(repeats), "--threads", str(threads), "--seed", str(seed)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode == 0: return json.loads(done.stdout.strip().splitlines()[-1])
-    why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-    if done.returncode < 0: why = f"killed by signal {-done.returncode} (out of memory?)"
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        stderr = []
+        for line in proc.stderr:  # the worker's progress, shown as each row ends (a long run is never silent)
+            stderr.append(line.rstrip())
+            if line.startswith("    measured "): print(line.rstrip(), flush=True)
+        stdout, code = proc.stdout.read(), proc.wait()
+        timer.cancel()
+    if code == 0: return json.loads(stdout.strip().splitlines()[-1])
+    why = ([l for l in stderr if l.strip()] or [f"exit code {code}"])[-1]
+    if code < 0: why = f"killed by signal {-code} (out of memory, or past {timeout:g} s?)"
     return [{"row": row, "device": device, **asdict(scale), "error": why} for row in rows]
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e031
@@ -405,8 +419,12 @@ def _parse_args(argv):
     parser.add_argument("--T", dest="lengths", default=None,
                         help="comma-separated student lengths (default: 4096 on cpu, 4096,8192,16384 on cuda)")
     parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated loss modes (default: all)")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths of our rows (default: all)")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.paths = [p for p in args.paths.split(",") if p]
+    if not args.paths or any(p not in PATHS for p in args.paths):
+        raise SystemExit(f"--paths: expected names from {', '.join(PATHS)}, got {','.join(args.paths)!r}")
     if not args.modes or any(m not in LOSS_MODES for m in args.modes):
         raise SystemExit(f"--modes: expected names from {', '.join(LOSS_MODES)}, got {','.join(args.modes)!r}")
     if args.device == "cuda" and not torch.cuda.is_available(): raise SystemExit("--device cuda: no CUDA device is available")
@@ -427,10 +445,11 @@ def scales_of(args: argparse.Namespace) -> list[Scale]:
 
 
 def _measure_scale(scale, rows, device, repeats, threads, quick):
-    "One length's results: rows that cannot run say why; the rest run in fresh processes (one for all under --quick)."
+    "One length's results: rows that cannot run say why; the rest run in fresh processes (one per row for peak RSS on a CPU)."
     skipped = {row: unavailable(row, device) for row in rows}
     todo = [row for row in rows if skipped[row] is None]
-    groups = [todo] if quick else [[row] for row in todo]
+    # a CUDA peak is reset per row, so one process measures them all; a CPU's peak RSS needs a fresh process per row
+    groups = [todo] if quick or device.startswith("cuda") else [[row] for row in todo]
     measured = {}
     for group in filter(None, groups):
         for r in measure_in_subprocess(group, scale, device, repeats=repeats, threads=threads):
@@ -448,7 +467,7 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     repeats = args.repeats or (1 if args.quick else 3)
     info = env_info()
     print(env_header(info), end="\n\n", flush=True)
-    rows, results = row_names(args.modes), []
+    rows, results = row_names(args.modes, args.paths), []
     for scale in scales_of(args): results += _measure_scale(scale, rows, args.device, repeats, threads, args.quick)
     table = summary_rows(results)
     scale = scales_of(args)[0]
@@ -459,7 +478,7 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     print("verdicts" + (" (--quick: small sizes, not the sizes the bars are stated for)" if args.quick else "") + ":")
     for line in verdicts: print("  " + line)
     result = {"benchmark": "scale", "quick": args.quick, "device": args.device, "repeats": repeats, "threads": threads,
-              "modes": args.modes, "blocked_available": blocked_available(), "fused_available": fused_available(),
+              "modes": args.modes, "paths": args.paths, "blocked_available": blocked_available(), "fused_available": fused_available(),
               "liger": liger_status(args.device) or "available", "env": info, "rows": table, "verdicts": verdicts,
               "raw": results}
     print(f"json: {write_json(args.json, result)}")
