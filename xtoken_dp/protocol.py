@@ -26,7 +26,7 @@ _REPORT_SEEDS = range(5)  # seeds the reports use; tuning must not
 @dataclass(frozen=True)
 class TuningPlan:
     "The tuning protocol: seeds, budget, windows, the weight grid and its widening, each mode's second knob."
-    seeds: tuple = (100, 101) # consecutive student seeds, none of them a reported one
+    seeds: tuple = (100, 101, 102, 103) # consecutive student seeds, none of them a reported one
     student_steps: int = 300 # the budget the tuning selects for (the default preset's)
     eval_windows: int = 128 # held-out windows that score the tuning runs, clear of the reported windows
     eval_seed: int = 54321 # seed of those windows
