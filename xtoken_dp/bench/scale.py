@@ -334,15 +334,19 @@ def measure_in_subprocess(rows: list[str], # row names, measured in turn in one 
     cmd = [sys.executable, "-m", "xtoken_dp.bench.scale", "--worker", ",".join(rows), "--T_s", str(scale.T_s),
            "--V_s", str(scale.V_s), "--V_t", str(scale.V_t), "--hidden", str(scale.hidden), "--dtype", scale.dtype,
            "--device", device, "--repeats", str(repeats), "--threads", str(threads), "--seed", str(seed)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+    # stdout (the results) goes to a file, so that reading stderr as it comes can never stall the worker on a full pipe
+    with tempfile.TemporaryFile("w+") as results, \
+         subprocess.Popen(cmd, stdout=results, stderr=subprocess.PIPE, text=True, env=env) as proc:
         timer = threading.Timer(timeout, proc.kill)
         timer.start()
         stderr = []
         for line in proc.stderr:  # the worker's progress, shown as each row ends (a long run is never silent)
             stderr.append(line.rstrip())
             if line.startswith("    measured "): print(line.rstrip(), flush=True)
-        stdout, code = proc.stdout.read(), proc.wait()
+        code = proc.wait()
         timer.cancel()
+        results.seek(0)
+        stdout = results.read()
     if code == 0: return json.loads(stdout.strip().splitlines()[-1])
     why = ([l for l in stderr if l.strip()] or [f"exit code {code}"])[-1]
     if code < 0: why = f"killed by signal {-code} (out of memory, or past {timeout:g} s?)"
