@@ -394,7 +394,7 @@ def test_L9_gold_and_hkl_recomputed_from_the_map(dense, mode, kw):
     total, common, tail, per = ref_gold(
         z, y, batch, token_map, kappa=kw.get("temperature", 1.0), reverse=kw.get("reverse_kl", False),
         target=kw.get("chunk_target", "arithmetic"), reduce=kw.get("chunk_reduce", "mean"),
-        renormalize=kw.get("common_renormalize", False), uncommon_topk=kw.get("uncommon_topk", 8192),
+        renormalize=kw.get("common_renormalize", True), uncommon_topk=kw.get("uncommon_topk", 8192),
         uncommon_weight=kw.get("uncommon_weight", 1.0), reference=kw.get("reference_formulas", False),
         exact_only=kw.get("exact_token_match_only", False), pairs=kw.get("chunk_pairs", "one_to_one"))
     config = config_for(mode, dense, **kw)

@@ -305,10 +305,13 @@ def demo_main(argv: Sequence[str] | None = None, # arguments after `demo` (None:
 def _tune_parser() -> CommandLineParser:
     p = CommandLineParser(prog="xtoken-dp tune", description="Tune every KD arm of the demo with the same budget (KD weight, "
                           "widened at the grid's edges, then κ or τ) on seeds and held-out windows that no report uses.")
-    p.add_argument("--arms", help="comma-separated KD arms (default: every KD arm)")
+    p.add_argument("--arms", help="comma-separated KD arms (default: every KD arm); the record's other arms keep their settings")
     p.add_argument("--out", help="the tuning record the demo reads (default: the package's demo_tuning.json)")
     p.add_argument("--cache-dir", default="demo_out/cache", help="tokenizer, teacher and projection cache (default demo_out/cache)")
-    p.add_argument("--factors", metavar="PATH", help="also run the one-factor study of the losses' defaults and write it here")
+    p.add_argument("--factors", metavar="PATH", help="also run a one-factor study of the losses' defaults and write it here")
+    p.add_argument("--study", choices=("chunks", "common"), default="chunks",
+                   help="--factors: which study (chunks: which chunks are compared; common: the common tokens' mass)")
+    p.add_argument("--factors-only", action="store_true", help="run the --factors study without tuning")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -316,18 +319,21 @@ def _tune_parser() -> CommandLineParser:
 def tune_main(argv: Sequence[str] | None = None, # arguments after `tune` (None: sys.argv[1:])
              ) -> int:
     "`xtoken-dp tune`: tune the demo's KD arms, write the record the demo reads, print each arm's chosen setting."
-    from xtoken_dp.protocol import DEMO_TUNING_PATH, factor_study, tune_demo, write_tuning
+    from xtoken_dp.protocol import DEMO_TUNING_PATH, FACTOR_STUDIES, factor_study, tune_demo, write_tuning
     args = _tune_parser().parse_args(argv)
+    if args.factors_only and not args.factors: raise UsageError("--factors-only needs --factors PATH")
     arms = tuple(a for a in _arm_names(args.arms) if a != "ce") if args.arms else None
     out = Path(args.out) if args.out else DEMO_TUNING_PATH
     writable_file(out, "--out"); writable_folder(args.cache_dir, "--cache-dir")
     if args.factors: writable_file(args.factors, "--factors")
-    record = tune_demo(arms=arms, cache_dir=args.cache_dir, progress=not args.no_progress) if arms else \
-        tune_demo(cache_dir=args.cache_dir, progress=not args.no_progress)
-    write_tuning(record, out)
-    for name, arm in record["arms"].items(): print(f"{name}: {arm['chosen']}")
+    if not args.factors_only:
+        record = tune_demo(arms=arms, cache_dir=args.cache_dir, progress=not args.no_progress) if arms else \
+            tune_demo(cache_dir=args.cache_dir, progress=not args.no_progress)
+        write_tuning(record, out)
+        for name, arm in record["arms"].items(): print(f"{name}: {arm['chosen']}")
     if args.factors:
-        Path(args.factors).write_text(json.dumps(factor_study(cache_dir=args.cache_dir, progress=not args.no_progress), indent=1) + "\n")
+        study = factor_study(factors=FACTOR_STUDIES[args.study], cache_dir=args.cache_dir, progress=not args.no_progress)
+        Path(args.factors).write_text(json.dumps(study, indent=1) + "\n")
     return 0
 
 # %% ../nbs/13_cli.ipynb #26cef796

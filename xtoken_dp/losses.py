@@ -444,7 +444,7 @@ class XTokenLossConfig:
     chunk_pairs: str = "one_to_one"  # pkl/gold/hkl compare chunks of one token per side; "all": every chunk (inconsistent)
     pkl_unseen: str = "bucket"  # pkl: mass outside the compared columns is one more entry; "renormalize" (blind to it)
     projection_row_normalize: bool = True  # pkl: rows of the projection sum to 1
-    common_renormalize: bool = False  # gold/hkl: KL within the common tokens instead of common + residual bucket
+    common_renormalize: bool = True  # gold/hkl: KL within the common tokens; False: common tokens + one residual bucket
     alm_tau: float = 100.0  # ALM binarisation temperature
     alm_divergence: str = "binary_kl"  # "binary_kl" (0 at a match) or "binary_ce" (same gradient)
     uld_topk: int | None = None  # ULD sorted entries (None: min(V_s, V_t))
@@ -471,6 +471,11 @@ class XTokenLossConfig:
     def effective_chunk_pairs(self) -> str:
         "Which chunks pkl, gold and hkl compare: `chunk_pairs`, or 'all' under `reference_formulas`."
         return "all" if self.reference_formulas else self.chunk_pairs
+
+    @property
+    def effective_common_renormalize(self) -> bool:
+        "Whether gold and H-KL compare the common tokens renormalised: `common_renormalize`, never under `reference_formulas`."
+        return self.common_renormalize and not self.reference_formulas
 
     @property
     def effective_row_normalize(self) -> bool:
@@ -544,11 +549,9 @@ def _validate_config(cfg):
     _check_choice("alm_divergence", cfg.alm_divergence, ("binary_kl", "binary_ce"))
     _check_choice("kd_loss_mode", cfg.kd_loss_mode, KD_LOSS_MODES)
     _check_choice("sum_weights_metric", cfg.sum_weights_metric, (None, *SUM_WEIGHTS_METRICS))
-    if cfg.reference_formulas and (cfg.chunk_target != "arithmetic" or cfg.common_renormalize):
+    if cfg.reference_formulas and cfg.chunk_target != "arithmetic":
         raise ValueError("reference_formulas reproduces the reference loss implementation's chunk targets: it has no "
-                         "chunk_target='geometric' or "
-                         f"common_renormalize, got chunk_target={cfg.chunk_target!r}, "
-                         f"common_renormalize={cfg.common_renormalize}")
+                         f"chunk_target='geometric', got chunk_target={cfg.chunk_target!r}")
     _validate_teachers(cfg)
 
 # %% ../nbs/08_losses.ipynb #48b1b5ab
@@ -724,12 +727,17 @@ def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _check_targets(targets, mask, width):
+    "A `ValueError` when a target id where `mask` holds is not below the logits' `width` (one device sync)."
+    if bool((mask & (targets >= width)).any()):
+        raise ValueError(f"target ids must be < the logits width {width}, got {int(targets[mask].max())}")
+
+
 def _next_logprob(logits, targets, mask, check=True):
     "`log softmax(logits)[target]` per position (full width), 0 where `mask` is False (`check=False`: targets known < width)."
     width = logits.shape[-1]
     picked = targets.clamp(0, max(width - 1, 0))
-    if check and bool((mask & (targets >= width)).any()):
-        raise ValueError(f"target ids must be < the logits width {width}, got {int(targets[mask].max())}")
+    if check: _check_targets(targets, mask, width)
     out = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
     return torch.where(mask, out, 0.)
 
@@ -756,9 +764,7 @@ class _Microbatch:
         self.targets = torch.zeros_like(self.ids)
         self.targets[:, :-1] = self.ids[:, 1:]
         self._chunks = {}
-        on = self.token_mask & self.sample_on[:, None].bool()  # one check for the whole microbatch (one device sync)
-        if bool((on & (self.ids >= self.W)).any()):
-            raise ValueError(f"target ids must be < the logits width {self.W}, got {int(self.ids[on].max())}")
+        _check_targets(self.ids, self.token_mask & self.sample_on[:, None].bool(), self.W)  # once for the whole microbatch
 
     @cached_property
     def z(self) -> Tensor:
@@ -1068,7 +1074,7 @@ def _gold_term(mb, teacher, chunks):
         P_t = _chunk_distributions(y, chunks.tau, C, cfg)
         a_s, a_t = P_s[..., c_s], P_t[..., c_t]
         rho_s, rho_t = (1 - a_s.sum(-1)).clamp_min(0), (1 - a_t.sum(-1)).clamp_min(0)
-        if cfg.common_renormalize:
+        if cfg.effective_common_renormalize:
             p, q = a_t / a_t.sum(-1, keepdim=True).clamp_min(TINY), a_s / a_s.sum(-1, keepdim=True).clamp_min(TINY)
         else: p, q = torch.cat([a_t, rho_t[..., None]], -1), torch.cat([a_s, rho_s[..., None]], -1)
         common = _kl(q, p) if cfg.reverse_kl else _kl(p, q)

@@ -17,8 +17,9 @@ from .distill import (ARMS, BASE_ARMS, DEMO_TUNING_PATH, ArmSpec, DemoConfig, ma
                                prepare_demo, run_demo, train_arms)
 
 # %% auto #0
-__all__ = ['FACTORS', 'TuningPlan', 'trial_arm', 'score_trials', 'next_trials', 'tuning_windows', 'tune_demo', 'write_tuning',
-           'paired_interval', 'full_report', 'report_markdown', 'run_full_report', 'factor_study']
+__all__ = ['FACTORS', 'COMMON_FACTORS', 'FACTOR_STUDIES', 'TuningPlan', 'trial_arm', 'score_trials', 'next_trials',
+           'tuning_windows', 'tune_demo', 'write_tuning', 'paired_interval', 'full_report', 'report_markdown',
+           'run_full_report', 'factor_study']
 
 # %% ../nbs/10b_protocol.ipynb #5e031cd8
 _REPORT_SEEDS = range(5)  # seeds the reports use; tuning must not
@@ -130,9 +131,25 @@ def tune_demo(
                                  trials=trials[name]) for name, c in chosen.items()},
                 wall_s=time.perf_counter() - start)
 
-def write_tuning(record: dict, path=DEMO_TUNING_PATH) -> Path:
-    "Save a tuning record where the demo reads it."
+def _as_json(x): return json.loads(json.dumps(x))
+
+def _merged(old: dict, record: dict, path) -> dict:
+    "`record` on top of `old`: the arms it tuned replace theirs, the others stay; both must follow one protocol."
+    if _as_json(old.get("protocol")) != _as_json(record["protocol"]):
+        raise ValueError(f"{path} was tuned under another protocol ({old.get('protocol')}); tune every arm again, "
+                         "or write with merge=False")
+    runs = old.get("runs") or [dict(arms=sorted(old["arms"]), wall_s=old.get("wall_s"))]
+    runs = runs + [dict(arms=sorted(record["arms"]), wall_s=record["wall_s"])]
+    arms = {**old["arms"], **record["arms"]}
+    return dict(record, arms=arms, runs=runs, wall_s=sum(r["wall_s"] or 0.0 for r in runs))
+
+def write_tuning(record: dict, # `tune_demo`'s record
+                 path=DEMO_TUNING_PATH, # where the demo reads it
+                 *, merge: bool = True, # keep the arms of a record already at `path` that `record` did not tune
+                ) -> Path:
+    "Save a tuning record where the demo reads it; tuning some arms again leaves the others' settings in place."
     path = Path(path)
+    if merge and path.is_file(): record = _merged(json.loads(path.read_text()), record, path)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
@@ -251,6 +268,15 @@ FACTORS = {  # variant name -> (base arm, options): each changes one factor of t
     "hkl": ("hkl", {}), "hkl, every chunk": ("hkl", dict(chunk_pairs="all")),
     "overlap": ("overlap", {}), "overlap, chunk starts of every chunk": ("overlap", dict(chunk_pairs="all", chunk_reduce="first")),
 }
+COMMON_FACTORS = {  # how gold and H-KL treat the common tokens' mass; every option spelled out, whatever the defaults
+    "gold, common + bucket": ("gold", dict(common_renormalize=False)),
+    "gold, common + bucket, no tail": ("gold", dict(common_renormalize=False, uncommon_weight=0.0)),
+    "gold, renormalised": ("gold", dict(common_renormalize=True)),
+    "hkl, common + bucket": ("hkl", dict(common_renormalize=False)),
+    "hkl, renormalised": ("hkl", dict(common_renormalize=True)),
+    "hkl, renormalised, no tail": ("hkl", dict(common_renormalize=True, uncommon_weight=0.0)),
+}
+FACTOR_STUDIES = {"chunks": FACTORS, "common": COMMON_FACTORS}  # `xtoken-dp tune --study NAME`
 
 def factor_study(plan: TuningPlan = TuningPlan(), factors: dict = FACTORS, *, cache_dir=None, progress: bool = True) -> dict:
     "Every variant of `factors` at weight 1 against `ce` on the tuning seeds and windows: per variant its Δs and mean."
