@@ -225,7 +225,7 @@ def _demo_parser() -> CommandLineParser:
                           "distilled into tiny students with a different tokenizer, scored in held-out bits per byte.")
     p.add_argument("--corpus", default="stdlib", help="'stdlib' (the running Python's standard library) or a UTF-8 text file")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="default: 3 seeds, 300 student steps, 3 arms; quick: the CI run; full: every arm, 5 seeds, 300 and "
+                   help="default: 3 seeds, 300 student steps, 4 arms; quick: the CI run; full: every arm, 5 seeds, 300 and "
                         "600 steps, written as demo_report.json/.md")
     p.add_argument("--seeds", type=_positive_int, help="number of student seeds (0..N-1)")
     p.add_argument("--steps", type=_positive_int, help="student steps per arm (equal for every arm)")

@@ -158,14 +158,16 @@ _EOS_TOKEN, _PAD_TOKEN, _UNK_TOKEN = "<|endoftext|>", "<pad>", "<unk>"
 _TEACHER_VOCAB_SIZE, _STUDENT_VOCAB_SIZE = 1024, 2048
 _STUDENT_SAMPLE_BYTES = 1_500_000  # the student tokenizer's training sample
 _METASPACE = "\u2581"
+_SCORE_DIGITS = 9  # the student's Unigram scores are kept to this many decimals (the trainer's last digits vary by run)
 _TOKENIZER_RECIPE = dict(  # every setting of the two tokenizers; part of their cache key
-    version=1, specials=[_EOS_TOKEN, _PAD_TOKEN], start_marker=f"{_EOS_TOKEN} $A",
+    version=2, specials=[_EOS_TOKEN, _PAD_TOKEN], start_marker=f"{_EOS_TOKEN} $A",
     teacher=dict(model="BPE", vocab_size=_TEACHER_VOCAB_SIZE, data="even-indexed training parts",
                  pre_tokenizer="Digits(individual_digits=True), ByteLevel(add_prefix_space=False)", decoder="ByteLevel"),
     student=dict(model="Unigram", vocab_size=_STUDENT_VOCAB_SIZE, unk_token=_UNK_TOKEN,
                  data=f"first {_STUDENT_SAMPLE_BYTES} bytes of the odd-indexed training parts",
                  pre_tokenizer=f"Metaspace({_METASPACE!r}, prepend_scheme='never')", decoder="Metaspace",
-                 initial_alphabet="every character of the training text"))
+                 initial_alphabet="every character of the training text",
+                 order=f"specials first, then by score rounded to {_SCORE_DIGITS} decimals (descending) and piece"))
 
 def _add_start_marker(backend: Tokenizer) -> Tokenizer:
     backend.post_processor = processors.TemplateProcessing(
@@ -212,7 +214,24 @@ def _build_student_tokenizer(
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN, _UNK_TOKEN],
                                       unk_token=_UNK_TOKEN, initial_alphabet=sorted(set(alphabet)), show_progress=False)
     backend.train_from_iterator(list(texts), trainer=trainer)
-    return _add_start_marker(backend)
+    return _add_start_marker(_canonical_unigram(backend, n_specials=3))
+
+def _canonical_unigram(
+    backend: Tokenizer, # a trained Unigram tokenizer whose specials are its first ids
+    n_specials: int, # how many
+) -> Tokenizer:
+    "The same pieces in one order whatever run trained them: scores rounded, ids by score (descending), then piece."
+    obj = json.loads(backend.to_str())
+    specials, rest = obj["model"]["vocab"][:n_specials], obj["model"]["vocab"][n_specials:]
+    rest = sorted(([piece, round(score, _SCORE_DIGITS)] for piece, score in rest), key=lambda e: (-e[1], e[0]))
+    # the trainer appends the required characters last, about 1e-4 apart, in an order that varies by run: the pieces
+    # of that trailing run take its scores in the order of the pieces
+    start = len(rest) - 1
+    while start > 0 and rest[start - 1][1] - rest[start][1] <= 1.5e-4: start -= 1
+    tail = sorted(piece for piece, _ in rest[start:])
+    rest[start:] = [[piece, score] for piece, (_, score) in zip(tail, rest[start:])]
+    obj["model"]["vocab"] = specials + rest
+    return Tokenizer.from_str(json.dumps(obj, ensure_ascii=False))
 
 # %% ../nbs/10_distill.ipynb #72c1a9b9
 def _wrap_tokenizer(
@@ -1314,7 +1333,7 @@ def _curves_figure(rows: Sequence[Mapping], teacher_bpb: float, title: str):
 
 # %% ../nbs/10_distill.ipynb #fd39e8f4
 PRESETS = {
-    "default": dict(seeds=3, teacher_steps=800, student_steps=300, eval_windows=256, arms=("ce", "gold", "overlap")),
+    "default": dict(seeds=3, teacher_steps=800, student_steps=300, eval_windows=256, arms=("ce", "gold", "hkl", "overlap")),
     "quick": dict(seeds=1, teacher_steps=150, student_steps=60, eval_windows=32, arms=DEFAULT_ARMS),
     "full": dict(seeds=5, teacher_steps=800, student_steps=300, eval_windows=256, arms=DEFAULT_ARMS),
 }
