@@ -1,6 +1,6 @@
 """Consistency of the cross-tokenizer losses in their default configuration, on real tokenizers and real aligned batches.
 
-Three properties bind every mode's default configuration:
+Three properties bind every mode's default configuration, and P-KL in reverse (`reverse_kl=True`, the demo's P-KL):
 
 1. Identity: with identical tokenizers and the projection the builder makes for them, every projection mode (pkl,
    gold, hkl) equals token-level KL (`topk_kl` over every column) in value and gradient; ALM and ULD are 0 at equal
@@ -37,6 +37,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHE = Path(os.environ.get("XTOKEN_DP_CACHE", Path.home() / ".cache" / "xtoken_dp")) / "distill"
 PROJECTION_MODES = ("pkl", "gold", "hkl")
 ALL_MODES = ("pkl", "gold", "hkl", "alm", "uld")
+# every mode's default configuration, and P-KL in reverse (the demo's P-KL arm): (mode, options)
+CONFIGS = [(m, {}) for m in ALL_MODES] + [("pkl", dict(reverse_kl=True))]
+CONFIG_IDS = [m + "".join(f"-{k}" for k in o) for m, o in CONFIGS]
 P0, STEPS, LR, KEEP = 0.95, 100, 0.1, 0.85
 
 # ------------------------------------------------------------------------------------------------------ fixtures
@@ -155,13 +158,14 @@ def _adam(loss_of, z0, steps=STEPS, lr=LR):
 
 @pytest.mark.parametrize("pair", ["spm_same", "demo_same"])
 @pytest.mark.parametrize("mode", PROJECTION_MODES)
-def test_identity_projection_modes_equal_token_level_kl(pairs, pair, mode):
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_identity_projection_modes_equal_token_level_kl(pairs, pair, mode, reverse):
     p = pairs(pair)
     assert torch.equal(p.batch["input_ids"], p.batch["teacher_0_input_ids"]), "identical tokenizers tokenise alike"
     g = torch.Generator().manual_seed(0)
     shape = (*p.batch["input_ids"].shape, p.V_s)
     z0, y = (torch.randn(*shape, generator=g) * 2).to(DEVICE), (torch.randn(*shape, generator=g) * 2).to(DEVICE)
-    cfg, ref = p.config(mode), p.config("topk_kl", vocab_topk=p.V_s)
+    cfg, ref = p.config(mode, reverse_kl=reverse), p.config("topk_kl", vocab_topk=p.V_s, reverse_kl=reverse)
     assert abs(float(p.kd(cfg, z0, z0.clone()))) < 1e-5, "a projection mode must be 0 at equal logits"
     z1, z2 = z0.clone().requires_grad_(), z0.clone().requires_grad_()
     a, b = p.kd(cfg, z1, y), p.kd(ref, z2, y)
@@ -181,35 +185,35 @@ def test_identity_chunk_modes_are_zero_at_equal_logits(pairs, mode):
 # ------------------------------------------------------------------------------------------------------ property 2
 
 
-def _keeps_perfect_student(p, mode):
+def _keeps_perfect_student(p, mode, options):
     z0, y, tg, on = p.oracle()
-    cfg = p.config(mode)
+    cfg = p.config(mode, **options)
     z = _adam(lambda z: p.kd(cfg, z, y), z0)
     p_of = lambda logits: torch.softmax(logits, -1).gather(-1, tg[..., None]).squeeze(-1)[on].mean()
     start, end = float(p_of(z0)), float(p_of(z))
     assert end >= KEEP * start, f"{mode}: p(actual next token) fell from {start:.3f} to {end:.3f}"
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_perfect_teacher_keeps_perfect_student_demo_pair(pairs, mode):
-    _keeps_perfect_student(pairs("demo"), mode)
+@pytest.mark.parametrize("mode,options", CONFIGS, ids=CONFIG_IDS)
+def test_perfect_teacher_keeps_perfect_student_demo_pair(pairs, mode, options):
+    _keeps_perfect_student(pairs("demo"), mode, options)
 
 
 @pytest.mark.skipif(not (SLOW or DEVICE == "cuda"), reason="minutes per mode on CPU; set XTOKEN_DP_TEST_FLAGS=slow")
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_perfect_teacher_keeps_perfect_student_real_pair(pairs, mode):
-    _keeps_perfect_student(pairs("spm_tekken"), mode)
+@pytest.mark.parametrize("mode,options", CONFIGS, ids=CONFIG_IDS)
+def test_perfect_teacher_keeps_perfect_student_real_pair(pairs, mode, options):
+    _keeps_perfect_student(pairs("spm_tekken"), mode, options)
 
 # ------------------------------------------------------------------------------------------------------ property 3
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_no_free_mass_on_tokens_the_teacher_cannot_see(pairs, mode):
+@pytest.mark.parametrize("mode,options", CONFIGS, ids=CONFIG_IDS)
+def test_no_free_mass_on_tokens_the_teacher_cannot_see(pairs, mode, options):
     p = pairs("demo")
     U = p.unseen()
     assert U.numel() > 0, "the demo pair has student ids with an empty projection row (unk)"
     z0, y, _, on = p.oracle()
-    cfg = p.config(mode)
+    cfg = p.config(mode, **options)
     with torch.no_grad():
         base, moved = p.kd(cfg, z0, y), p.kd(cfg, _moved_onto(z0, U), y)
     assert float(moved) > float(base), f"{mode}: moving mass onto unseen tokens does not raise the loss"

@@ -309,8 +309,8 @@ def _tune_parser() -> CommandLineParser:
     p.add_argument("--out", help="the tuning record the demo reads (default: the package's demo_tuning.json)")
     p.add_argument("--cache-dir", default="demo_out/cache", help="tokenizer, teacher and projection cache (default demo_out/cache)")
     p.add_argument("--factors", metavar="PATH", help="also run a one-factor study of the losses' defaults and write it here")
-    p.add_argument("--study", choices=("chunks", "common"), default="chunks",
-                   help="--factors: which study (chunks: which chunks are compared; common: the common tokens' mass)")
+    p.add_argument("--study", choices=("chunks", "common", "direction"), default="chunks",
+                   help="--factors: which study (chunks: which chunks are compared; common: the common tokens' mass; direction: forward or reverse KL)")
     p.add_argument("--factors-only", action="store_true", help="run the --factors study without tuning")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p

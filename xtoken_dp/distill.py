@@ -999,7 +999,8 @@ class ArmSpec:
 
 BASE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [  # each arm's loss mode and fixed options; weight and κ (τ for ALM) come from the tuning record
     ArmSpec("ce", "ce", weight=0.0, label="CE only"),
-    ArmSpec("pkl", "pkl", label="P-KL: projected student vs teacher, one-to-one chunks, unseen mass as a bucket"),
+    ArmSpec("pkl", "pkl", dict(reverse_kl=True),
+            label="P-KL: reverse KL of the projected student against the teacher, one-to-one chunks, unseen mass as a bucket"),
     ArmSpec("gold", "gold", label="gold: strict exact map, one-to-one chunks, KL renormalised within the common tokens + tail L1"),
     ArmSpec("hkl", "hkl", label="H-KL: relaxed exact map, one-to-one chunks"),
     ArmSpec("alm", "alm", dict(alm_divergence="binary_kl"), label="ALM: binary KL on chunk likelihoods, every chunk"),

@@ -17,9 +17,9 @@ from .distill import (ARMS, BASE_ARMS, DEMO_TUNING_PATH, ArmSpec, DemoConfig, ma
                                prepare_demo, run_demo, train_arms)
 
 # %% auto #0
-__all__ = ['FACTORS', 'COMMON_FACTORS', 'FACTOR_STUDIES', 'TuningPlan', 'trial_arm', 'score_trials', 'next_trials',
-           'tuning_windows', 'tune_demo', 'write_tuning', 'paired_interval', 'full_report', 'report_markdown',
-           'run_full_report', 'factor_study']
+__all__ = ['FACTORS', 'COMMON_FACTORS', 'DIRECTION_FACTORS', 'FACTOR_STUDIES', 'TuningPlan', 'trial_arm', 'score_trials',
+           'next_trials', 'tuning_windows', 'tune_demo', 'write_tuning', 'paired_interval', 'full_report',
+           'report_markdown', 'run_full_report', 'factor_study']
 
 # %% ../nbs/10b_protocol.ipynb #5e031cd8
 _REPORT_SEEDS = range(5)  # seeds the reports use; tuning must not
@@ -260,10 +260,10 @@ def run_full_report(
     return report
 
 # %% ../nbs/10b_protocol.ipynb #5c7c84bf
-FACTORS = {  # variant name -> (base arm, options): each changes one factor of the base arm's defaults
-    "pkl": ("pkl", {}), "pkl, every chunk": ("pkl", dict(chunk_pairs="all")),
-    "pkl, renormalised (no bucket)": ("pkl", dict(pkl_unseen="renormalize")),
-    "pkl, both (the reference)": ("pkl", dict(chunk_pairs="all", pkl_unseen="renormalize")),
+FACTORS = {  # variant name -> (base arm, options): each changes one factor of the base arm's defaults (P-KL measured forward)
+    "pkl": ("pkl", dict(reverse_kl=False)), "pkl, every chunk": ("pkl", dict(reverse_kl=False, chunk_pairs="all")),
+    "pkl, renormalised (no bucket)": ("pkl", dict(reverse_kl=False, pkl_unseen="renormalize")),
+    "pkl, both (the reference)": ("pkl", dict(reverse_kl=False, chunk_pairs="all", pkl_unseen="renormalize")),
     "gold": ("gold", {}), "gold, every chunk": ("gold", dict(chunk_pairs="all")),
     "hkl": ("hkl", {}), "hkl, every chunk": ("hkl", dict(chunk_pairs="all")),
     "overlap": ("overlap", {}), "overlap, chunk starts of every chunk": ("overlap", dict(chunk_pairs="all", chunk_reduce="first")),
@@ -276,7 +276,13 @@ COMMON_FACTORS = {  # how gold and H-KL treat the common tokens' mass; every opt
     "hkl, renormalised": ("hkl", dict(common_renormalize=True)),
     "hkl, renormalised, no tail": ("hkl", dict(common_renormalize=True, uncommon_weight=0.0)),
 }
-FACTOR_STUDIES = {"chunks": FACTORS, "common": COMMON_FACTORS}  # `xtoken-dp tune --study NAME`
+DIRECTION_FACTORS = {  # which way the KL runs: forward KL(teacher ‖ student) or reverse KL(student ‖ teacher)
+    "pkl, forward": ("pkl", dict(reverse_kl=False)), "pkl, reverse": ("pkl", dict(reverse_kl=True)),
+    "gold, forward": ("gold", dict(reverse_kl=False)), "gold, reverse": ("gold", dict(reverse_kl=True)),
+    "hkl, forward": ("hkl", dict(reverse_kl=False)), "hkl, reverse": ("hkl", dict(reverse_kl=True)),
+    "overlap, reverse": ("overlap", dict(reverse_kl=True)),
+}
+FACTOR_STUDIES = {"chunks": FACTORS, "common": COMMON_FACTORS, "direction": DIRECTION_FACTORS}  # `xtoken-dp tune --study NAME`
 
 def factor_study(plan: TuningPlan = TuningPlan(), factors: dict = FACTORS, *, cache_dir=None, progress: bool = True) -> dict:
     "Every variant of `factors` at weight 1 against `ce` on the tuning seeds and windows: per variant its Δs and mean."
