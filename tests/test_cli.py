@@ -3,7 +3,7 @@
 Every failure is one line on stderr with exit status 1 (2 for a usage error), never a traceback; an unwritable output
 folder is refused before any work starts.
 """
-import os, subprocess, sys
+import os, re, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +84,12 @@ def test_a_good_run_still_prints_its_table():
     status, out, err = cli("align", "Hello world", "--student", "qwen2", "--teacher", "mistral_tekken")
     assert status == 0, err
     assert "chunk" in out.splitlines()[0] and "byte_coverage" in out
+
+
+def test_tune_offers_exactly_the_protocols_factor_studies(capsys):
+    "The CLI lists the studies without importing the protocol (torch) at start-up; the two lists must not drift."
+    from xtoken_dp.cli import main
+    from xtoken_dp.protocol import FACTOR_STUDIES
+    assert main(["tune", "--study", "no_such_study"]) == 2
+    offered = re.findall(r"'([a-z_]+)'", capsys.readouterr().err.split("choose from", 1)[1])
+    assert sorted(offered) == sorted(FACTOR_STUDIES)
