@@ -210,6 +210,9 @@ def _dp_worker(rank: int, world_size: int, port: int, build: Callable, out_dir: 
     state = {name: value.detach().cpu().clone() for name, value in trainer.model.state_dict().items()}
     torch.save(state, Path(out_dir) / f"rank{rank}.pt")  # tensors only: read back with weights_only=True
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(trainer.state.log_history, default=float))
+    if torch.distributed.is_initialized():  # leave together: a rank exiting with the group alive can abort its peer
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def train_data_parallel(build: Callable[[], Trainer], # picklable (module-level) function that builds the trainer
