@@ -68,6 +68,25 @@ def test_blocks_equal_the_whole_microbatch_in_fp64(dense, name):
                              f"{name}, block_size={size}")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_terms_on_the_valid_chunks_rows_equal_the_full_pass(dense, name, monkeypatch):
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 47, masked=(1, 2))
+    results = {}
+    for share in (0.0, 1.0):  # 0: every term reads every row; 1: terms drop the rows of gated-off chunks whenever any exist
+        monkeypatch.setattr(L, "KEEP_SHARE", share)
+        results[share] = [loss_grad_metrics(config, student, batch, teachers, block_size=size) for size in (None, 3)]
+        results[share, "per_chunk"] = L.per_chunk_losses(student, batch, teachers, config=config)
+    if config.teachers[0].mode not in ("topk_kl", "alm"):  # the fixture has gated-off chunks: the rows are really dropped
+        chunks = L._Microbatch(student, batch, config).chunks(0, teachers[0].shape[1])
+        assert L._kept_positions(chunks.sigma, chunks.tau, chunks.valid).s_index.numel() < chunks.sigma.numel()
+    for full, kept, size in zip(results[0.0], results[1.0], (None, 3)):
+        assert_equal_results(kept, full, 1e-12, f"{name}, block_size={size}")
+    full, kept = results[0.0, "per_chunk"], results[1.0, "per_chunk"]
+    assert torch.equal(kept.valid, full.valid)
+    torch.testing.assert_close(kept.per_unit, full.per_unit, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("name", ("pkl", "gold", "topk_kl", "alm", "uld", "sum_dynamic_weights", "averaged_logits"))
 def test_blocks_equal_the_whole_microbatch_in_fp32_and_bf16(dense, name):
     config = configs(dense)[name]

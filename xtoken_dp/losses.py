@@ -38,14 +38,15 @@ from .caches import build_exact_token_map, clear_caches, get_sparse_projection_m
 from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
-__all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS', 'AUTO_WHOLE_BYTES',
-           'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs',
-           'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group',
-           'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean',
-           'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
-           'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights', 'combine_losses',
-           'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
-           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
+__all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
+           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'METRIC_REDUCTIONS', 'chunk_buckets',
+           'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns',
+           'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum',
+           'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig',
+           'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights',
+           'combine_losses', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
+           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
+           'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -195,10 +196,14 @@ def _csr(M, transpose):
     return _remembered("csr_t" if transpose else "csr", M, None, convert)
 
 
+SMALL_DENSE_COLUMNS = 128  # on CPU, a transposed row-major operand this narrow is copied and multiplied from the right
+
+
 def _sparse_mm(A, D, *, transpose=False):
-    "`op(A)·D` for a sparse COO `A` (`op`: `Aᵀ` if `transpose`) and a dense `D`; a transposed row-major `D` goes through CSR, read in place."
+    "`op(A)·D` for a sparse COO `A` (`op`: `Aᵀ` if `transpose`) and a dense `D`; a transposed row-major `D` goes through CSR."
     if D.shape[1] > 1 and not D.is_contiguous() and D.t().is_contiguous():
-        return (D.t() @ _csr(A, not transpose)).t()  # op(A)·D = (Dᵀ·op(A)ᵀ)ᵀ
+        if D.device.type == "cpu" and D.shape[1] <= SMALL_DENSE_COLUMNS: return _csr(A, transpose) @ D.contiguous()
+        return (D.t() @ _csr(A, not transpose)).t()  # op(A)·D = (Dᵀ·op(A)ᵀ)ᵀ, D read in place
     return torch.sparse.mm(A.t() if transpose else A, D.contiguous())
 
 
@@ -806,6 +811,7 @@ class _Teacher:
                              f"{mb.T}), got T_t={self.T}")
 
     fixed_columns = None  # [B, k] top-k columns chosen before a blockwise pass (None: chosen from these logits)
+    kept = None  # the rows of the valid chunks, found before a blockwise pass (None: found from the chunks; False: every row)
 
     @cached_property
     def logits(self) -> Tensor:
@@ -852,6 +858,12 @@ def _teacher_columns(y, voters, k, scope):
     return _top_columns(scores, k).expand(B, k)
 
 
+def _at_columns(x, cols):
+    "`x [B, T, W]` read at the ascending columns `cols [B, k]`; `x` itself when they are all `W` (then `cols` is `0..W-1`)."
+    if cols.shape[1] == x.shape[-1]: return x
+    return x.gather(-1, cols[:, None, :].expand(-1, x.shape[1], -1))
+
+
 def _top_columns(scores, k):
     "Ascending ids of the `k` largest scores of each row (ties to the lower id)."
     top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -873,6 +885,11 @@ PKL_EPS = 1e-10  # P-KL smoothing of the projected student chunk distribution
 
 
 def _safe_log(p): return p.clamp_min(TINY).log()
+
+
+def _top1(x):
+    "`x.argmax(-1)` (the first of tied maxima) through `max`, which torch runs about 3x faster on CPU."
+    return x.max(-1).indices
 
 
 def _kl(p, q):
@@ -957,7 +974,7 @@ def _pkl_bucket(cfg, y, cols, R, U, chunks):
     vocabulary, read at `cols` (its rest is the mass outside them, exactly 0 when `cols` is every column)."""
     kappa = cfg.temperature
     yt = _tempered(y, kappa)
-    ell = yt.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)) - torch.logsumexp(yt, -1, keepdim=True)
+    ell = _at_columns(yt, cols) - torch.logsumexp(yt, -1, keepdim=True)
     if cfg.chunk_target == "geometric": target = torch.softmax(_reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce), -1)
     else: target = _reduce(ell.exp(), chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
     with_rest = lambda p, rest: torch.cat([p, rest], -1)
@@ -965,24 +982,36 @@ def _pkl_bucket(cfg, y, cols, R, U, chunks):
     p_rest = target.new_zeros(target.shape[:-1] + (1,)) if whole else (1 - target.sum(-1, keepdim=True)).clamp_min(0)
     p, q = with_rest(target, p_rest), with_rest(R, U)
     kl = _kl(q, p) if cfg.reverse_kl else _kl(p, q)
-    hits = ((R.argmax(-1) == target.argmax(-1)) & chunks.valid).sum()
+    hits = ((_top1(R) == _top1(target)) & chunks.valid).sum()
     return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
 
 
+def _pkl_projection(mb, spec):
+    "The sparse `[V_s, V_t]` projection of a pkl teacher, as the config reads it (cached)."
+    cfg = mb.config
+    return get_sparse_projection_matrix(spec.projection_path, mb.device, student_vocab_size=cfg.student_vocab_size,
+                                        teacher_vocab_size=spec.vocab_size, row_normalize=cfg.effective_row_normalize)
+
+
+def _pkl_columns(mb, teacher, chunks, V_t):
+    "The teacher columns a pkl term compares: fixed before a blockwise pass, else voted by every position in a chunk."
+    if teacher.fixed_columns is not None: return teacher.fixed_columns
+    cfg = mb.config
+    return _teacher_columns(teacher.sliced(V_t), chunks.tau >= 0, min(cfg.vocab_topk or V_t, V_t), cfg.effective_topk_scope)
+
+
 def _pkl_term(mb, teacher, chunks):
-    cfg, spec, kappa = mb.config, teacher.spec, mb.config.temperature
-    M = get_sparse_projection_matrix(spec.projection_path, mb.device, student_vocab_size=cfg.student_vocab_size,
-                                     teacher_vocab_size=spec.vocab_size, row_normalize=cfg.effective_row_normalize)
+    cfg, kappa = mb.config, mb.config.temperature
+    M = _pkl_projection(mb, teacher.spec)
     V_s, V_t = M.shape
     z, y = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), teacher.sliced(V_t)
     k = min(cfg.vocab_topk or V_t, V_t)
-    cols = teacher.fixed_columns
-    if cols is None: cols = _teacher_columns(y, chunks.tau >= 0, k, cfg.effective_topk_scope)
+    cols = _pkl_columns(mb, teacher, chunks, V_t)
     probs = torch.softmax(_tempered(z, kappa), -1)
     R = _reduce(_project(M, probs, cols), chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
     if cfg.pkl_unseen == "bucket" and not cfg.reference_formulas:
         return _pkl_bucket(cfg, y, cols, R, _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce), chunks)
-    ell = torch.log_softmax(_tempered(y.gather(-1, cols[:, None, :].expand(-1, y.shape[1], -1)), kappa), -1)
+    ell = torch.log_softmax(_tempered(_at_columns(y, cols), kappa), -1)
     if cfg.reference_formulas:
         L = _reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         R_hat, target = R / (R.sum(-1, keepdim=True) + PKL_EPS), L.exp()
@@ -993,7 +1022,7 @@ def _pkl_term(mb, teacher, chunks):
         if cfg.chunk_target == "geometric": target = torch.softmax(_reduce(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce), -1)
         else: target = _reduce(ell.exp(), chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         kl = _kl(R_hat, target) if cfg.reverse_kl else _kl(target, R_hat)
-    hits = ((R_hat.argmax(-1) == target.argmax(-1)) & chunks.valid).sum()
+    hits = ((_top1(R_hat) == _top1(target)) & chunks.valid).sum()
     return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
 
 # %% ../nbs/08_losses.ipynb #8cfd3f17
@@ -1083,7 +1112,7 @@ def _gold_term(mb, teacher, chunks):
     valid = chunks.valid
     kl_common = torch.where(valid, kappa ** 2 * common, 0.)
     l1_part = torch.where(valid, kappa ** 2 * cfg.uncommon_weight * l1, 0.)
-    top1 = ((a_s.argmax(-1) == a_t.argmax(-1)) & valid).sum() if c_s.numel() else valid.new_zeros(()).sum()
+    top1 = ((_top1(a_s) == _top1(a_t)) & valid).sum() if c_s.numel() else valid.new_zeros(()).sum()
     return _term(kl_common + l1_part, valid, kl_common=kl_common.sum().detach(), l1_uncommon=l1_part.sum().detach(),
                  top1_common=top1, uncommon_mass=torch.where(valid, rho_t, 0.).sum().detach())
 
@@ -1096,9 +1125,8 @@ def _topk_kl_term(mb, y, cols=None):
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
     z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
     if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope)
-    index = cols[:, None, :].expand(-1, mb.T, -1)
-    log_t = torch.log_softmax(_tempered(y.gather(-1, index), kappa), -1)
-    log_s = torch.log_softmax(_tempered(z.gather(-1, index), kappa), -1)
+    log_t = torch.log_softmax(_tempered(_at_columns(y, cols), kappa), -1)
+    log_s = torch.log_softmax(_tempered(_at_columns(z, cols), kappa), -1)
     kl = (log_s.exp() * (log_s - log_t)).sum(-1) if cfg.reverse_kl else (log_t.exp() * (log_t - log_s)).sum(-1)
     return _term(kappa ** 2 * kl, mb.next_mask)
 
@@ -1147,13 +1175,83 @@ def _uld_term(mb, teacher, chunks):
                      torch.softmax(_tempered(first_t, cfg.uld_teacher_temperature), -1), int(k))
     return _term(uld, chunks.valid)
 
+# %% ../nbs/08_losses.ipynb #b7b5d629
+KEEP_SHARE = 7 / 8  # chunk terms drop the positions of gated-off chunks when the valid chunks hold at most this share
+
+
+@dataclass
+class _Kept:
+    "Where one teacher's valid chunks sit in a microbatch: the rows a chunk term needs, and its chunks renumbered."
+    s_index: Tensor  # [B, P] student positions kept, in order, first in each row (the rest: padding, chunk id -1)
+    t_index: Tensor  # [B, Q] teacher positions kept, likewise
+    chunks: _Chunks  # the chunks on the kept rows: ids 0..n_b-1 per sample, all valid below n_b
+    chunk_of: Tensor  # [B, C'] the original chunk id of each renumbered one
+
+
+def _first_kept(keep, width):
+    "Per row, the indices of the `keep` entries (in order) followed by the others, cut to `width` columns."
+    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+
+
+def _kept_side(ids, renumbered):
+    "`(index, ids, count)` of one side: its kept positions, their renumbered chunk ids (-1 past each row's count), how many."
+    kept_id = torch.where(ids >= 0, renumbered.gather(1, ids.clamp_min(0)), -1)
+    keep = kept_id >= 0
+    n = keep.sum(1)
+    width = int(n.max())
+    index = _first_kept(keep, width)
+    return index, torch.where(torch.arange(width) < n[:, None], kept_id.gather(1, index), -1), int(n.sum())
+
+
+def _kept_positions(sigma, tau, valid, # CPU ids [B, T_s], [B, T_t] and gate [B, C] of one teacher's chunks
+                   ) -> _Kept | None:
+    "The rows of the valid chunks, or None when they hold more than `KEEP_SHARE` of the student positions."
+    B, C = valid.shape
+    if B == 0 or C == 0 or sigma.shape[1] == 0: return None
+    renumbered = torch.where(valid, valid.long().cumsum(1) - 1, -1)
+    s_index, s_ids, kept = _kept_side(sigma, renumbered)
+    if kept > KEEP_SHARE * sigma.numel(): return None
+    t_index, t_ids, _ = _kept_side(tau, renumbered)
+    n = valid.sum(1)
+    width = int(n.max())
+    return _Kept(s_index, t_index, _Chunks(s_ids, t_ids, torch.arange(width) < n[:, None], width), _first_kept(valid, width))
+
+
+# %% ../nbs/08_losses.ipynb #6cb2d4b1
+def _rows(x, index):
+    "`x[b, index[b]]` for every sample `b`: `[B, P, ...]`."
+    return torch.stack([x[b].index_select(0, index[b]) for b in range(index.shape[0])])
+
+
+def _on_kept(term_fn, mb, teacher, chunks, kept):
+    "`term_fn(mb, teacher, chunks)` computed on the kept rows only, its per-chunk values back at their chunk ids."
+    kept = _Kept(*(x.to(mb.device, non_blocking=True) for x in (kept.s_index, kept.t_index)),
+                 _Chunks(*(x.to(mb.device, non_blocking=True) for x in (kept.chunks.sigma, kept.chunks.tau, kept.chunks.valid)),
+                         kept.chunks.max_chunks), kept.chunk_of.to(mb.device, non_blocking=True))
+    part, view = _Microbatch.__new__(_Microbatch), _Teacher.__new__(_Teacher)
+    z = _rows(mb.z, kept.s_index)
+    part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
+                         dtype=mb.dtype, sample_on=mb.sample_on, _chunks={teacher.i: kept.chunks})
+    columns = _pkl_columns(mb, teacher, chunks, _pkl_projection(mb, teacher.spec).shape[1]) if teacher.spec.mode == "pkl" else None
+    y = _rows(teacher.logits, kept.t_index)  # logits are width-checked by the term, with its own message
+    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_record=teacher.is_record, T=y.shape[1],
+                         W=teacher.W, logits=y, fixed_columns=columns)
+    term = term_fn(part, view, kept.chunks)
+    per_unit = term.per_unit.new_zeros(chunks.valid.shape).scatter(1, kept.chunk_of, term.per_unit)
+    return TeacherTerm(term.total, per_unit, chunks.valid, term.stats)
+
+
 # %% ../nbs/08_losses.ipynb #5159facf
 _CHUNK_TERMS = {"pkl": _pkl_term, "gold": _gold_term, "hkl": _gold_term, "alm": _alm_term, "uld": _uld_term}
 
 
 def _teacher_term(mb, teacher):
     if teacher.spec.mode == "topk_kl": return _topk_kl_term(mb, teacher.logits, teacher.fixed_columns)
-    return _CHUNK_TERMS[teacher.spec.mode](mb, teacher, mb.chunks(teacher.i, teacher.T))
+    term_fn, chunks = _CHUNK_TERMS[teacher.spec.mode], mb.chunks(teacher.i, teacher.T)
+    if teacher.spec.mode == "alm": return term_fn(mb, teacher, chunks)  # per-position scalars: nothing to drop
+    kept = teacher.kept
+    if kept is None: kept = _kept_positions(*(x.cpu() for x in (chunks.sigma, chunks.tau, chunks.valid)))
+    return term_fn(mb, teacher, chunks) if not kept else _on_kept(term_fn, mb, teacher, chunks, kept)
 
 
 def _teacher_input(teacher_logits, i):
@@ -1236,7 +1334,7 @@ def _check_normalizers(normalizers, config):
 def _ce_terms(mb):
     "`(Σ CE, correct predictions, CE targets)` of the microbatch."
     ce_sum = -torch.where(mb.next_mask, mb.next_logprob, 0.).sum()
-    correct = ((mb.z.detach().argmax(-1) == mb.targets) & mb.next_mask).sum() if mb.W else mb.next_mask.sum()
+    correct = ((_top1(mb.z.detach()) == mb.targets) & mb.next_mask).sum() if mb.W else mb.next_mask.sum()
     return ce_sum, correct, mb.next_mask.sum()
 
 # %% ../nbs/08_losses.ipynb #84bf23d2
@@ -1312,6 +1410,7 @@ class _Block:
     p1: int
     spans: dict  # teacher index -> (q0, q1)
     ranges: dict = dataclasses.field(default_factory=dict)  # teacher index -> (lo, hi): the block's chunk ids (hi < lo: none)
+    kept: dict = dataclasses.field(default_factory=dict)  # teacher index -> the rows of its valid chunks (False: every row)
 
 
 def _prefix_max(ids):
@@ -1407,8 +1506,7 @@ def _plan_columns(mb, teachers, config, step):
     columns, scope = {}, config.effective_topk_scope
     for t in teachers:
         if t.spec.mode == "pkl":
-            V = get_sparse_projection_matrix(t.spec.projection_path, mb.device, student_vocab_size=config.student_vocab_size,
-                                             teacher_vocab_size=t.spec.vocab_size, row_normalize=config.effective_row_normalize).shape[1]
+            V = _pkl_projection(mb, t.spec).shape[1]
             voters = mb.chunks(t.i, t.T).tau >= 0
         elif t.spec.mode == "topk_kl": V, voters = config.student_vocab_size, mb.next_mask
         else: continue
@@ -1422,17 +1520,26 @@ def _plan_blocks(mb, teachers, computed, size):
     blocks, every = [], torch.ones(mb.T + 1, dtype=torch.bool)
     for b in range(mb.B):
         if not bool(mb.sample_on[b]): continue
-        cuts, ids = {}, {}
+        cuts, ids, gates = {}, {}, {}
         for i in computed:
             if teachers[i].spec.mode == "topk_kl": cuts[i] = (every, torch.arange(mb.T + 1))
             else:
                 chunks = mb.chunks(i, teachers[i].T)
                 ids[i] = chunks.sigma[b].to("cpu", torch.int64), chunks.tau[b].to("cpu", torch.int64)
+                gates[i] = chunks.valid[b].cpu()
                 cuts[i] = _block_cuts(*ids[i])
         for blk in _sample_blocks(b, mb.T, cuts, size or mb.T):
             blk.ranges = {i: _id_range(s[blk.p0:blk.p1], t[slice(*blk.spans[i])]) for i, (s, t) in ids.items()}
+            blk.kept = {i: _block_kept(ids[i], gates[i], blk, i) for i in ids if teachers[i].spec.mode != "alm"}
             blocks.append(blk)
     return blocks
+
+
+def _block_kept(ids, valid, blk, i):
+    "Teacher `i`'s `_kept_positions` inside one block, from the plan's CPU ids and gate (False: every row)."
+    (sigma, tau), (q0, q1), (lo, hi) = ids, blk.spans[i], blk.ranges[i]
+    rebase = lambda x: torch.where(x >= 0, x - lo, -1)[None]
+    return _kept_positions(rebase(sigma[blk.p0:blk.p1]), rebase(tau[q0:q1]), valid[None, lo:hi + 1]) or False
 
 
 def _id_range(sigma, tau):
@@ -1487,7 +1594,7 @@ def _block_teacher(teacher, part, blk, columns):
     raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
                          logits=teacher.rows(blk.b, q0, q1), next_mask_and_targets=(rows(mask), rows(targets)),
-                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1])
+                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=blk.kept.get(teacher.i))
     return view
 
 
