@@ -223,6 +223,17 @@ def test_fused_lm_head_equals_the_logits_path(dense, name, with_bias):
         for key, value in metrics_e.items(): assert abs(float(metrics[key]) - float(value)) <= 1e-10 * max(1, abs(float(value))), key
 
 
+@pytest.mark.parametrize("rows", (1, 7, 10 ** 9))
+def test_fused_lm_head_gradient_summed_over_queued_blocks_matches(dense, rows, monkeypatch):
+    monkeypatch.setattr(L, "FUSED_WEIGHT_ROWS", rows)  # 1: after every block; 7: queues of 3-4 blocks of 2; 10**9: at the end
+    config = configs(dense)["pkl"]
+    batch, _, teachers = data_for(config, 63)
+    hidden, weight, bias = fused_inputs(64, batch)
+    (loss, grads, _), (loss_e, grads_e, _) = fused_and_plain(config, batch, teachers, hidden, weight, bias, 2)
+    assert abs(loss.item() - loss_e.item()) <= 1e-10 * abs(loss_e.item())
+    for got, expected in zip(grads, grads_e): torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+
+
 def test_fused_lm_head_in_fp32(dense):
     config = configs(dense)["gold"]
     batch, _, teachers = data_for(config, 67, dtype=torch.float32)

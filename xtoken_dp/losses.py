@@ -39,14 +39,14 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'METRIC_REDUCTIONS', 'chunk_buckets',
-           'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns',
-           'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum',
-           'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig',
-           'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights',
-           'combine_losses', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
-           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
-           'get_topk_projection']
+           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'FUSED_WEIGHT_ROWS',
+           'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask',
+           'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size',
+           'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch',
+           'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm',
+           'per_chunk_losses', 'teacher_weights', 'combine_losses', 'resolve_block_size', 'xtoken_kd_loss',
+           'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
+           'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1805,6 +1805,9 @@ class XTokenDistillationLoss:
     def __repr__(self): return f"XTokenDistillationLoss({self.config!r})"
 
 # %% ../nbs/08_losses.ipynb #a34b70a0
+FUSED_WEIGHT_ROWS = 256  # the fused path adds ∂W = gᵀh for this many queued positions at a time
+
+
 class _FusedSource:
     "Hidden states and this rank's lm_head rows: each block's logits made when needed, gradients accumulated by block."
     def __init__(self, hidden, weight, bias, tp_group, accum_dtype=None):
@@ -1826,15 +1829,25 @@ class _FusedSource:
         self.grad_hidden = torch.zeros_like(self.hidden)
         self.grad_weight = torch.zeros_like(self.weight, dtype=accumulate)
         self.grad_bias = None if self.bias is None else torch.zeros_like(self.bias, dtype=accumulate)
+        self.queued = []  # (∂logits, hidden) of blocks whose ∂W is not added yet
 
     def store(self, blk, grad):
         g, h = grad[0], self.hidden[blk.b, blk.p0:blk.p1]
         self.grad_hidden[blk.b, blk.p0:blk.p1] = g.to(self.weight.dtype) @ self.weight
-        acc = self.grad_weight.dtype  # accumulated in place: no [V_s, H] temporary per block
-        self.grad_weight.addmm_(g.t().to(acc), h.detach().to(acc))
+        self.queued.append((g, h.detach()))
+        if sum(len(g) for g, _ in self.queued) >= FUSED_WEIGHT_ROWS: self.add_queued()
+
+    def add_queued(self):
+        "The queued blocks' share of `∂W` (and `∂b`), in one product accumulated in place (no `[V_s, H]` temporary)."
+        if not self.queued: return
+        acc, (gs, hs) = self.grad_weight.dtype, zip(*self.queued)
+        self.queued = []
+        g, h = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (gs, hs))
+        self.grad_weight.addmm_(g.t().to(acc), h.to(acc))
         if self.bias is not None: self.grad_bias += g.sum(0).to(acc)
 
     def finish(self):
+        self.add_queued()
         if self.tp_group is not None: dist.all_reduce(self.grad_hidden, group=self.tp_group)  # every shard's share
         grads = (self.grad_hidden, self.grad_weight.to(self.weight.dtype),
                  None if self.bias is None else self.grad_bias.to(self.bias.dtype))
