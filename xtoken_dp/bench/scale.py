@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import losses
+from ..aligner import shift_chunk_ids
 from . import Timing, bench_parser, env_header, env_info, print_table, write_json
 from .chunks import current_rss, monotone_chunk_ids, peak_rss, reset_peak_rss
 from ..losses import (LOSS_MODES, PROJECTION_MODES, TeacherLossSpec, XTokenLossConfig, compute_global_normalizers,
@@ -37,9 +38,9 @@ from ..schema import AlignmentBatch
 # %% auto #0
 __all__ = ['CPU_SCALE', 'CPU_QUICK', 'GPU_SCALE', 'GPU_QUICK', 'GPU_LENGTHS', 'FLOORS', 'LIGER_ROWS', 'PATHS', 'MIB', 'CPU_BARS',
            'GPU_BARS', 'GPU_TOTAL_BYTES', 'COMPARED_WITH', 'Scale', 'row_names', 'blocked_available', 'fused_available',
-           'liger_status', 'unavailable', 'random_batch', 'write_random_projection', 'next_targets', 'ce_floor',
-           'kd_floor', 'make_inputs', 'ours_config', 'make_loss', 'peak_extra', 'measure_row', 'measure_in_subprocess',
-           'summary_rows', 'bars_of', 'verdict', 'scales_of', 'run']
+           'liger_status', 'unavailable', 'random_batch', 'one_to_one_share', 'write_random_projection', 'next_targets',
+           'ce_floor', 'kd_floor', 'make_inputs', 'ours_config', 'make_loss', 'peak_extra', 'measure_row',
+           'measure_in_subprocess', 'summary_rows', 'bars_of', 'verdict', 'scales_of', 'run']
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e009
 @dataclass(frozen=True)
@@ -134,6 +135,17 @@ def random_batch(T_s: int, # student positions
     return {"input_ids": torch.randint(0, V_s, (1, T_s), generator=g), "token_mask": torch.ones(1, T_s, dtype=torch.bool),
             "sample_mask": torch.ones(1), "teacher_0_input_ids": torch.randint(0, V_t, (1, T_t), generator=g),
             "teacher_0_token_mask": torch.ones(1, T_t, dtype=torch.bool), **alignment.as_flat("alignment_0_")}
+
+
+def one_to_one_share(batch: dict, # a flat batch holding `alignment_0_*` keys
+                    ) -> float:
+    "Share of the student positions whose next token lies in a valid chunk of one token on each side."
+    alignment = losses.alignment_from_flat_batch(batch, prefix="alignment_0_")
+    sigma, tau = shift_chunk_ids(alignment.student_chunk_id), shift_chunk_ids(alignment.teacher_chunk_id)
+    C = alignment.pair_valid.shape[1]
+    s_sizes, t_sizes = losses.chunk_buckets(sigma, C)[1], losses.chunk_buckets(tau, C)[1]
+    valid = losses.valid_chunk_mask(s_sizes, t_sizes, alignment.pair_valid) & (s_sizes == 1) & (t_sizes == 1)
+    return float(((sigma >= 0) & valid.gather(1, sigma.clamp_min(0))).float().mean()) if C else 0.0
 
 
 def write_random_projection(path: str | os.PathLike, # the file to write
@@ -470,7 +482,10 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     threads = args.threads or (2 if args.device == "cpu" else torch.get_num_threads())
     repeats = args.repeats or (1 if args.quick else 3)
     info = env_info()
-    print(env_header(info), end="\n\n", flush=True)
+    print(env_header(info), flush=True)
+    shares = {scale.T_s: one_to_one_share(random_batch(scale.T_s, scale.V_s, scale.V_t)) for scale in scales_of(args)}
+    print("alignment: valid one-to-one chunks hold " + ", ".join(f"{s:.0%} (T_s={T})" for T, s in shares.items()) +
+          " of the student positions", end="\n\n", flush=True)
     rows, results = row_names(args.modes, args.paths), []
     for scale in scales_of(args): results += _measure_scale(scale, rows, args.device, repeats, threads, args.quick)
     table = summary_rows(results)
@@ -483,7 +498,8 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     for line in verdicts: print("  " + line)
     result = {"benchmark": "scale", "quick": args.quick, "device": args.device, "repeats": repeats, "threads": threads,
               "modes": args.modes, "paths": args.paths, "blocked_available": blocked_available(), "fused_available": fused_available(),
-              "liger": liger_status(args.device) or "available", "env": info, "rows": table, "verdicts": verdicts,
+              "liger": liger_status(args.device) or "available", "env": info, "one_to_one_share": shares, "rows": table,
+              "verdicts": verdicts,
               "raw": results}
     print(f"json: {write_json(args.json, result)}")
     return result
