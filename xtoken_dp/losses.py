@@ -1219,7 +1219,8 @@ def _kept_positions(sigma, tau, valid, # CPU ids [B, T_s], [B, T_t] and gate [B,
 
 # %% ../nbs/08_losses.ipynb #6cb2d4b1
 def _rows(x, index):
-    "`x[b, index[b]]` for every sample `b`: `[B, P, ...]`."
+    "`x[b, index[b]]` for every sample `b`: `[B, P, ...]` (one copy of the rows when there is one sample, as in a block)."
+    if index.shape[0] == 1: return x[0].index_select(0, index[0])[None]
     return torch.stack([x[b].index_select(0, index[b]) for b in range(index.shape[0])])
 
 
