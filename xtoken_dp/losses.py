@@ -1187,6 +1187,12 @@ class _Kept:
     chunks: _Chunks  # the chunks on the kept rows: ids 0..n_b-1 per sample, all valid below n_b
     chunk_of: Tensor  # [B, C'] the original chunk id of each renumbered one
 
+    def to(self, device):
+        "The same rows on `device` (the copies are queued, not waited for)."
+        move, c = lambda x: x.to(device, non_blocking=True), self.chunks
+        return _Kept(move(self.s_index), move(self.t_index), _Chunks(move(c.sigma), move(c.tau), move(c.valid), c.max_chunks),
+                     move(self.chunk_of))
+
 
 def _first_kept(keep, width):
     "Per row, the indices of the `keep` entries (in order) followed by the others, cut to `width` columns."
@@ -1226,9 +1232,7 @@ def _rows(x, index):
 
 def _on_kept(term_fn, mb, teacher, chunks, kept):
     "`term_fn(mb, teacher, chunks)` computed on the kept rows only, its per-chunk values back at their chunk ids."
-    kept = _Kept(*(x.to(mb.device, non_blocking=True) for x in (kept.s_index, kept.t_index)),
-                 _Chunks(*(x.to(mb.device, non_blocking=True) for x in (kept.chunks.sigma, kept.chunks.tau, kept.chunks.valid)),
-                         kept.chunks.max_chunks), kept.chunk_of.to(mb.device, non_blocking=True))
+    kept = kept.to(mb.device)
     part, view = _Microbatch.__new__(_Microbatch), _Teacher.__new__(_Teacher)
     z = _rows(mb.z, kept.s_index)
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
