@@ -1237,7 +1237,8 @@ def _on_kept(term_fn, mb, teacher, chunks, kept):
     z = _rows(mb.z, kept.s_index)
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
                          dtype=mb.dtype, sample_on=mb.sample_on, _chunks={teacher.i: kept.chunks})
-    columns = _pkl_columns(mb, teacher, chunks, _pkl_projection(mb, teacher.spec).shape[1]) if teacher.spec.mode == "pkl" else None
+    columns = teacher.fixed_columns  # a blockwise pass fixed them; else pkl votes them now, over every row
+    if columns is None and teacher.spec.mode == "pkl": columns = _pkl_columns(mb, teacher, chunks, _pkl_projection(mb, teacher.spec).shape[1])
     y = _rows(teacher.logits, kept.t_index)  # logits are width-checked by the term, with its own message
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_record=teacher.is_record, T=y.shape[1],
                          W=teacher.W, logits=y, fixed_columns=columns)
