@@ -309,3 +309,50 @@ def test_a_target_id_past_the_logits_width_is_refused(dense, block_size):
     batch["input_ids"][0, 1] = student.shape[-1] + 3
     with pytest.raises(ValueError, match=f"target ids must be < the logits width {student.shape[-1]}, got {student.shape[-1] + 3}"):
         L.xtoken_kd_loss(student, batch, teachers, config=config, normalizers=L.compute_global_normalizers(batch, config))
+
+
+# ------------------------------------------------------------------------------------------ host syncs per block
+
+# ops that make the host wait for a CUDA device (a value read back, or an output size that depends on the data);
+# on a CPU they run like any other op, so they are counted where they are called
+DEVICE_SYNCS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "bincount", "is_nonzero", "unique", "_unique2",
+                "unique_consecutive", "histc", "masked_scatter"}
+# the plan reads its chunk ids on the CPU on purpose: its values never wait for a device
+PLANNING = {"_plan_blocks", "_sample_blocks", "_block_cuts", "_prefix_max", "_suffix_min", "_block_kept", "_kept_positions",
+            "_kept_side", "_first_kept", "_id_range", "<dictcomp>"}
+
+
+def device_syncs(run):
+    "How many ops of `run()` would wait for a CUDA device, outside the CPU planning of the blocks."
+    import traceback
+    from torch.utils._python_dispatch import TorchDispatchMode
+    count = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            if name in DEVICE_SYNCS or bool_index:
+                ours = [f.name for f in traceback.extract_stack() if "xtoken_dp" in f.filename]
+                if ours and ours[-1] not in PLANNING: count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count(): run()
+    return count[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_blockwise_pass_waits_for_the_device_no_more_with_more_blocks(dense, name, monkeypatch):
+    "The loss's device syncs are per microbatch: cutting it into 3x as many blocks adds none (a GPU never idles per block)."
+    config = configs(dense)[name]
+    batch, student, teachers = data_for(config, 5, dtype=torch.float32, chunks=(14, 20))
+    blocks, block_parts = [0], L._block_parts
+    monkeypatch.setattr(L, "_block_parts", lambda *a: (blocks.__setitem__(0, blocks[0] + 1), block_parts(*a))[1])
+    loss_grad_metrics(config, student, batch, teachers, block_size=12)  # loads the projection files into their caches
+    counts = {}
+    for size in (12, 3):
+        blocks[0] = 0
+        syncs = device_syncs(lambda: loss_grad_metrics(config, student, batch, teachers, block_size=size))
+        counts[size] = (syncs, blocks[0])
+    assert counts[3][1] >= 3 * counts[12][1], counts
+    assert counts[3][0] == counts[12][0], counts

@@ -80,37 +80,84 @@ def chunk_buckets(chunk_id: Tensor, # [B, T] integer chunk ids in [-1, max_chunk
         if lo < -1 or hi >= C:
             bad = lo if lo < -1 else hi
             raise ValueError(f"chunk_id must lie in [-1, max_chunks={C}), got {bad}")
-    rows = torch.arange(B, device=ids.device).repeat_interleave(T)
-    buckets = torch.where(ids >= 0, rows * C + ids, B * C)
-    sizes = torch.bincount(buckets, minlength=B * C + 1)[:B * C].reshape(B, C)
-    return buckets, sizes
+    if B == 1: buckets = torch.where(ids >= 0, ids, C)  # one sample (a block): the bucket is the id
+    else: buckets = torch.where(ids >= 0, torch.arange(B, device=ids.device).repeat_interleave(T) * C + ids, B * C)
+    # a scatter, not `bincount`: on CUDA bincount reads the ids' minimum and maximum back to the host (two syncs)
+    sizes = torch.zeros(B * C + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, buckets, torch.ones_like(buckets))
+    return buckets, sizes[:B * C].reshape(B, C)
 
 # %% ../nbs/08_losses.ipynb #5836ae49
+class _ChunkLayout:
+    "The buckets of one `[B, T]` chunk-id tensor, and what chunk means and firsts derive from them, each made once."
+    def __init__(self, chunk_id, max_chunks, device, validate=True):
+        buckets, counts = chunk_buckets(chunk_id, max_chunks, validate=validate)
+        self.buckets, self.counts = buckets.to(device), counts.to(device)
+        (self.B, self.T), self.C, self._made = chunk_id.shape, int(max_chunks), {}
+
+    def _once(self, key, make):
+        if key not in self._made: self._made[key] = make()
+        return self._made[key]
+
+    def sizes(self, dtype): return self._once(("sizes", dtype), lambda: self.counts.to(dtype))
+
+    def inverse(self, dtype):
+        "`[B*C]` one over each chunk's size (1 for an empty chunk: its sum is 0)."
+        return self._once(("inverse", dtype), lambda: self.sizes(dtype).reshape(-1).clamp_min(1).reciprocal())
+
+    def scale(self, dtype):
+        "`[B*T]` one over the size of each position's chunk, 0 for a position in none (the dump bucket)."
+        return self._once(("scale", dtype), lambda: torch.cat([self.inverse(dtype), self.counts.new_zeros(1, dtype=dtype)])[self.buckets])
+
+    def row(self):
+        "`[B*T]` each position's chunk row, clamped into `[0, B*C)` (the scale zeroes the clamped ones)."
+        return self._once("row", lambda: self.buckets.clamp(max=self.B * self.C - 1))
+
+    def first(self, dtype):
+        "`(position, present)`: `[B*C]` each chunk's first position, and 1 where the chunk has one (0 for an empty chunk)."
+        def make():
+            n = self.B * self.T
+            first = torch.full((self.B * self.C + 1,), n - 1, dtype=torch.int64, device=self.buckets.device)
+            first.scatter_reduce_(0, self.buckets, torch.arange(n, device=self.buckets.device), "amin")
+            return first[:self.B * self.C], (self.counts.reshape(-1) > 0).to(dtype)
+        return self._once(("first", dtype), make)
+
+
+_LAYOUTS = threading.local()  # per thread: the layouts of the chunk-id tensors read last (a block reads each several times)
+
+
+def _layout(chunk_id, max_chunks, device, keep=8):
+    "The `_ChunkLayout` of a checked chunk-id tensor, reused while the same unmodified tensor comes back."
+    recent = getattr(_LAYOUTS, "recent", None)
+    if recent is None: recent = _LAYOUTS.recent = []
+    for ids, version, C, layout in recent:
+        if ids is chunk_id and version == chunk_id._version and C == max_chunks and layout.buckets.device == device: return layout
+    layout = _ChunkLayout(chunk_id, max_chunks, device, validate=False)
+    recent.append((chunk_id, chunk_id._version, max_chunks, layout))  # the reference keeps the id from being reused
+    del recent[:-keep]
+    return layout
+
+
 class _ChunkMean(torch.autograd.Function):
     "Bucket means of `[B, T, V]` rows; the backward pass is a scaled gather."
     @staticmethod
-    def forward(ctx, values, buckets, sizes, max_chunks):
+    def forward(ctx, values, layout):
         B, T, V = values.shape
-        C, acc = max_chunks, sizes.dtype
+        C, acc = layout.C, torch.promote_types(values.dtype, torch.float32)
         rows = values.reshape(B * T, V)
         totals = torch.zeros(B * C + 1, V, dtype=acc, device=values.device)
-        totals.index_add_(0, buckets, rows if rows.dtype == acc else rows.to(acc))
-        inverse = sizes.reshape(B * C).clamp_min(1).reciprocal()
-        means = totals[:B * C].mul_(inverse[:, None])
-        ctx.save_for_backward(buckets, inverse)
-        ctx.meta = (B, T, V, C, values.dtype)
+        totals.index_add_(0, layout.buckets, rows if rows.dtype == acc else rows.to(acc))
+        means = totals[:B * C].mul_(layout.inverse(acc)[:, None])
+        ctx.layout, ctx.meta = layout, (B, T, V, C, values.dtype)
         return means.view(B, C, V)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        buckets, inverse = ctx.saved_tensors
-        B, T, V, C, dtype = ctx.meta
-        if B * C == 0 or B * T == 0: return grad.new_zeros((B, T, V), dtype=dtype), None, None, None
-        scale = torch.cat([inverse, inverse.new_zeros(1)])[buckets]  # the dump bucket scales by 0
-        rows = grad.reshape(B * C, V).index_select(0, buckets.clamp(max=B * C - 1))
-        rows.mul_(scale[:, None])
-        return rows.view(B, T, V).to(dtype), None, None, None
+        layout, (B, T, V, C, dtype) = ctx.layout, ctx.meta
+        if B * C == 0 or B * T == 0: return grad.new_zeros((B, T, V), dtype=dtype), None
+        rows = grad.reshape(B * C, V).index_select(0, layout.row())
+        rows.mul_(layout.scale(grad.dtype)[:, None])
+        return rows.view(B, T, V).to(dtype), None
 
 
 def _check_values(values, name):
@@ -128,9 +175,13 @@ def chunk_average_log_probs(log_probs: Tensor, # [B, T, V] values to average (lo
     _check_values(log_probs, "log_probs")
     B, T, V = log_probs.shape
     _check_chunk_id(chunk_id, (B, T))
-    buckets, counts = chunk_buckets(chunk_id, max_chunks, validate=validate)
-    sizes = counts.to(log_probs.device, torch.promote_types(log_probs.dtype, torch.float32))
-    return _ChunkMean.apply(log_probs, buckets.to(log_probs.device), sizes, int(max_chunks)), sizes
+    layout = _ChunkLayout(chunk_id, max_chunks, log_probs.device, validate=validate)
+    return _chunk_mean(log_probs, layout)
+
+
+def _chunk_mean(values, layout):
+    "`(Mean_c values, sizes)` over a `_ChunkLayout`."
+    return _ChunkMean.apply(values, layout), layout.sizes(torch.promote_types(values.dtype, torch.float32))
 
 # %% ../nbs/08_losses.ipynb #e75310f4
 def chunk_first(values: Tensor, # [B, T, V] values
@@ -142,15 +193,16 @@ def chunk_first(values: Tensor, # [B, T, V] values
     _check_values(values, "values")
     B, T, V = values.shape
     _check_chunk_id(chunk_id, (B, T))
-    buckets, counts = (t.to(values.device) for t in chunk_buckets(chunk_id, max_chunks, validate=validate))
-    C, acc = int(max_chunks), torch.promote_types(values.dtype, torch.float32)
-    if B * T == 0 or B * C == 0: return values.new_zeros((B, C, V), dtype=acc), counts.to(acc)
-    positions = torch.arange(B * T, device=values.device)
-    first = torch.full((B * C + 1,), B * T - 1, dtype=torch.int64, device=values.device)
-    first = first.scatter_reduce_(0, buckets, positions, "amin")[:B * C]
-    rows = values.reshape(B * T, V).to(acc).index_select(0, first)
-    present = (counts.reshape(B * C) > 0).to(acc)
-    return (rows * present[:, None]).view(B, C, V), counts.to(acc)
+    return _chunk_first(values, _ChunkLayout(chunk_id, max_chunks, values.device, validate=validate))
+
+
+def _chunk_first(values, layout):
+    "`(First_c values, sizes)` over a `_ChunkLayout`."
+    (B, T, V), C, acc = values.shape, layout.C, torch.promote_types(values.dtype, torch.float32)
+    if B * T == 0 or B * C == 0: return values.new_zeros((B, C, V), dtype=acc), layout.sizes(acc)
+    first, present = layout.first(acc)
+    rows = values.reshape(B * T, V).index_select(0, first).to(acc)  # pick the rows, then convert: C rows, not T
+    return (rows * present[:, None]).view(B, C, V), layout.sizes(acc)
 
 # %% ../nbs/08_losses.ipynb #a3a6dd42
 def valid_chunk_mask(s_sizes: Tensor, # [B, C] student chunk sizes (shifted)
@@ -177,13 +229,22 @@ def _check_sparse_mm(sparse_M, dense):
 _LAST = threading.local()  # per thread: the last sparse matrix converted or column-selected, and the result
 
 
+def _same_values(a, a_version, b):
+    """Whether tensor `b` holds the values `a` held at version `a_version`: views of one base at one place, unmodified
+    since, compare without reading them (a blockwise pass slices its keys from one tensor: no device sync per block)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device: return False
+    base_a, base_b = (a if a._base is None else a._base), (b if b._base is None else b._base)
+    if base_a is base_b and b._version == a_version:  # another place of the same values: another key (say, another sample)
+        return a.storage_offset() == b.storage_offset() and a.stride() == b.stride()
+    return torch.equal(a, b)
+
+
 def _remembered(purpose, matrix, key, compute):
     "`compute()`, or its result for the same `matrix` object and an equal `key` tensor last time (blocks reuse one matrix)."
     last = getattr(_LAST, purpose, None)
-    if last is not None and last[0] is matrix and (key is None or (last[1].shape == key.shape and torch.equal(last[1], key))):
-        return last[2]
-    result = compute()
-    setattr(_LAST, purpose, (matrix, key, result))
+    hit = last is not None and last[0] is matrix and (key is None or _same_values(last[1], last[2], key))
+    result = last[3] if hit else compute()
+    setattr(_LAST, purpose, (matrix, key, None if key is None else key._version, result))  # the newest key: its views match next
     return result
 
 
@@ -812,6 +873,7 @@ class _Teacher:
 
     fixed_columns = None  # [B, k] top-k columns chosen before a blockwise pass (None: chosen from these logits)
     kept = None  # the rows of the valid chunks, found before a blockwise pass (None: found from the chunks; False: every row)
+    alm_checked = False  # ALM's teacher inputs were checked before a blockwise pass
 
     @cached_property
     def logits(self) -> Tensor:
@@ -923,7 +985,8 @@ def _term(per_unit, valid, **stats):
 
 def _reduce(values, chunk_id, C, how):
     "`Mean_c` or `First_c` of `[B, T, V]` values."
-    return (chunk_first if how == "first" else chunk_average_log_probs)(values, chunk_id, C, validate=False)[0]  # ids of a checked `_Chunks`
+    layout = _layout(chunk_id, C, values.device)  # ids of a checked `_Chunks`
+    return (_chunk_first if how == "first" else _chunk_mean)(values, layout)[0]
 
 # %% ../nbs/08_losses.ipynb #e56ecd0f
 def _tempered(logits, temperature):
@@ -937,7 +1000,7 @@ def _project(M, probs, cols):
     k = cols.shape[1]
     if B == 0: return probs.new_zeros((0, T, k))
     full = k == M.shape[1]
-    if full or bool((cols == cols[:1]).all()):
+    if full or B == 1 or bool((cols == cols[:1]).all()):
         matrix = M if full else _remembered("columns", M, cols[0], lambda: select_projection_columns(M, cols[0]))
         return Fp32SparseMM.apply(matrix, probs.reshape(B * T, V).transpose(0, 1)).transpose(0, 1).reshape(B, T, k)
     return torch.stack([Fp32SparseMM.apply(_remembered("columns", M, cols[b], lambda: select_projection_columns(M, cols[b])),
@@ -1134,22 +1197,28 @@ def _topk_kl_term(mb, y, cols=None):
 def _chunk_sum(values, chunk_id, C):
     "`Σ_{p: chunk_id[p]=c} values[b, p]` as `[B, C]`."
     B = values.shape[0]
-    buckets, _ = chunk_buckets(chunk_id, C, validate=False)  # ids of a checked `_Chunks`
+    buckets = _layout(chunk_id, C, values.device).buckets  # ids of a checked `_Chunks`
     sums = values.new_zeros(B * C + 1).index_add(0, buckets, values.reshape(-1))
     return sums[:B * C].reshape(B, C)
 
 
 def _alm_target_logprob(teacher, chunks):
     "The teacher's next-token log-prob per position: exact `target_logprob` of a record, else from the logits."
-    if teacher.is_record:
-        lp = teacher.raw.target_logprob
-        if lp is None: raise ValueError(f"teacher {teacher.i}: ALM needs target_logprob; publish the top-k record with target_ids")
-        lp = lp.to(teacher.mb.device, teacher.mb.dtype)
-        if bool((lp.isnan() & (chunks.tau >= 0)).any()):
-            raise ValueError(f"teacher {teacher.i}: target_logprob is NaN at a position whose next token lies in a chunk")
-        return torch.where(chunks.tau >= 0, lp, 0.)
+    if not teacher.alm_checked: _check_alm_teacher(teacher, chunks)
+    if teacher.is_record: return torch.where(chunks.tau >= 0, teacher.raw.target_logprob.to(teacher.mb.device, teacher.mb.dtype), 0.)
     _, targets = teacher.next_mask_and_targets
-    return _next_logprob(teacher.logits, targets, chunks.tau >= 0)
+    return _next_logprob(teacher.logits, targets, chunks.tau >= 0, check=False)
+
+
+def _check_alm_teacher(teacher, chunks):
+    "ALM's checks of the teacher side (one device sync): a record's target log-probs exist and are numbers where read, targets fit the logits."
+    if not teacher.is_record:
+        _check_targets(teacher.next_mask_and_targets[1], chunks.tau >= 0, teacher.W)
+        return
+    lp = teacher.raw.target_logprob
+    if lp is None: raise ValueError(f"teacher {teacher.i}: ALM needs target_logprob; publish the top-k record with target_ids")
+    if bool((lp.to(teacher.mb.device).isnan() & (chunks.tau >= 0)).any()):
+        raise ValueError(f"teacher {teacher.i}: target_logprob is NaN at a position whose next token lies in a chunk")
 
 
 def _alm_term(mb, teacher, chunks):
@@ -1279,9 +1348,9 @@ def per_chunk_losses(student_logits: Tensor, # [B, T_s, W_s]
         return _teacher_term(mb, _Teacher(mb, teacher, _teacher_input(teacher_logits, teacher)))
 
 # %% ../nbs/08_losses.ipynb #d5d4776e
-def _position_values(y, targets, mask, metric, width):
+def _position_values(y, targets, mask, metric, width, check=True):
     "Per-position `−log p(x_t)`, entropy or max probability at temperature 1 of logits `y` (vocabulary `width`)."
-    if metric == "ce": return -_next_logprob(y, targets, mask)
+    if metric == "ce": return -_next_logprob(y, targets, mask, check=check)
     log_p = torch.log_softmax(y[..., :width], -1)
     if metric == "entropy": return -(log_p.exp() * log_p).sum(-1)
     return log_p.amax(-1).exp()
@@ -1339,7 +1408,7 @@ def _check_normalizers(normalizers, config):
 
 def _ce_terms(mb):
     "`(Σ CE, correct predictions, CE targets)` of the microbatch."
-    ce_sum = -torch.where(mb.next_mask, mb.next_logprob, 0.).sum()
+    ce_sum = -mb.next_logprob.sum()  # 0 off the CE positions
     correct = ((_top1(mb.z.detach()) == mb.targets) & mb.next_mask).sum() if mb.W else mb.next_mask.sum()
     return ce_sum, correct, mb.next_mask.sum()
 
@@ -1484,12 +1553,11 @@ def _columns_by_rows(rows_of, voters, shape, k, scope, step):
     if B == 0: return torch.zeros(0, k, dtype=torch.int64, device=device)
     best = None
     for b in range(B):
-        for q0 in range(0, T, step):
-            vote = voters[b, q0:q0 + step] if scope == "sample" else None
-            if vote is not None and not bool(vote.any()): continue
+        for q0 in range(0, T, step):  # rows without a voter are masked, not skipped: no device sync per step
             y = rows_of(b, q0, min(q0 + step, T))[0, :, :V]
+            if scope == "sample": y = torch.where(voters[b, q0:q0 + step, None], y, -math.inf)
             if best is None: best = torch.full((B, V), -math.inf, dtype=y.dtype, device=y.device)
-            best[b] = torch.maximum(best[b], (y if vote is None else y[vote]).amax(0))
+            best[b] = torch.maximum(best[b], y.amax(0))
     if best is None: best = torch.full((B, V), -math.inf, device=device)
     return _top_columns(best.amax(0, keepdim=True) if scope == "microbatch" else best, k).expand(B, k)
 
@@ -1497,13 +1565,13 @@ def _columns_by_rows(rows_of, voters, shape, k, scope, step):
 def _scores_by_rows(teacher, metric, step):
     "`_position_score` computed `step` teacher rows at a time (no `[B, T_t, V_t]` copy)."
     mask, targets = teacher.next_mask_and_targets
+    if metric == "ce": _check_targets(targets, mask, teacher.W)  # once, not a device sync per step
     values = torch.zeros(mask.shape, dtype=teacher.mb.dtype, device=mask.device)
     for b in range(mask.shape[0]):
-        for q0 in range(0, mask.shape[1], step):
+        for q0 in range(0, mask.shape[1], step):  # masked positions are computed too, and left out of the mean
             q1 = min(q0 + step, mask.shape[1])
-            if not bool(mask[b, q0:q1].any()): continue  # masked out of the mean anyway
             values[b, q0:q1] = _position_values(teacher.rows(b, q0, q1), targets[b:b + 1, q0:q1], mask[b:b + 1, q0:q1],
-                                                metric, teacher.spec.vocab_size)[0]
+                                                metric, teacher.spec.vocab_size, check=False)[0]
     return values, mask
 
 
@@ -1571,16 +1639,20 @@ def _plan(mb, teachers, config, normalizers, group):
         plan.weights, plan.computed, plan.extras = _kd_weights(config, scores)
         plan.columns = _plan_columns(mb, [teachers[i] for i in plan.computed], config, step)
     plan.chunked = [i for i in plan.computed if teachers[i].spec.mode != "topk_kl"]
+    for i in plan.computed:  # once for the microbatch, not a device sync per block
+        if teachers[i].spec.mode == "alm": _check_alm_teacher(teachers[i], mb.chunks(i, teachers[i].T))
     plan.blocks = _plan_blocks(mb, teachers, plan.computed, config.block_size)
     return plan
 
 # %% ../nbs/08_losses.ipynb #ace3b96c
-def _block_chunks(chunks, blk, span):
-    "A teacher's chunks inside one block, ids re-based to 0 (a block never splits a chunk, so the ids form one range)."
+def _block_chunks(chunks, blk, span, kept=False):
+    """A teacher's chunks inside one block, ids re-based to 0 (a block never splits a chunk, so the ids form one range);
+    with `kept` rows the term reads their own renumbered chunks, so only the gate is cut here."""
     ((q0, q1), (lo, hi)), b = span, blk.b  # the range was found when the blocks were planned: no device sync here
-    sigma, tau = chunks.sigma[b:b + 1, blk.p0:blk.p1], chunks.tau[b:b + 1, q0:q1]
-    rebase = lambda x: torch.where(x >= 0, x - lo, -1)
-    return _Chunks(rebase(sigma), rebase(tau), chunks.valid[b:b + 1, lo:hi + 1], hi - lo + 1)
+    valid = chunks.valid[b:b + 1, lo:hi + 1]
+    if kept: return _Chunks(None, None, valid, hi - lo + 1)
+    rebase = lambda x: x if lo == 0 else (x - lo).clamp_min_(-1)  # every id here is -1 or at least lo
+    return _Chunks(rebase(chunks.sigma[b:b + 1, blk.p0:blk.p1]), rebase(chunks.tau[b:b + 1, q0:q1]), valid, hi - lo + 1)
 
 
 def _block_microbatch(mb, blk, z, chunks):
@@ -1600,15 +1672,16 @@ def _block_teacher(teacher, part, blk, columns):
     raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
                          logits=teacher.rows(blk.b, q0, q1), next_mask_and_targets=(rows(mask), rows(targets)),
-                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=blk.kept.get(teacher.i))
+                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=blk.kept.get(teacher.i),
+                         alm_checked=True)  # the plan checked them
     return view
 
 
 def _block_parts(mb, teachers, plan, blk, z):
     "CE and KD of one block, graph-connected to its logits `z`, with its counts and teacher terms."
     n = plan.normalizers
-    part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, (blk.spans[i], blk.ranges[i]))
-                                          for i in plan.chunked})
+    part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, (blk.spans[i], blk.ranges[i]),
+                                                           bool(blk.kept.get(i))) for i in plan.chunked})
     ce_sum, correct, n_targets = _ce_terms(part)
     if plan.averaged is not None:
         mean = _mean_logits(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers])
@@ -1622,18 +1695,29 @@ def _block_parts(mb, teachers, plan, blk, z):
     return SimpleNamespace(kd=kd, ce=ce_sum / n.n_tok, ce_sum=ce_sum, correct=correct, n_targets=n_targets, terms=terms)
 
 # %% ../nbs/08_losses.ipynb #6659a2af
+def _sum_of(values, dtype):
+    "The sum of 0-d tensors (one per block) in `dtype` (float64 or int64), stacked once: no kernel per block."
+    if not values: return torch.zeros((), dtype=dtype)
+    return torch.stack([v.to(values[0].device) for v in values]).to(dtype).sum()
+
+
 class _TermSum:
     "A teacher term summed over blocks, read by `_teacher_metrics` like a `TeacherTerm` (total, count, stats)."
     def __init__(self):
-        self.total, self.count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
-        self.stats = defaultdict(lambda: torch.zeros((), dtype=torch.int64))  # no block at all: every stat is 0
+        self.totals, self.valids, self.parts = [], [], defaultdict(list)
 
-    def add(self, term):  # sums move to the term's device (a 0-d CPU tensor adds to any): no host sync per block
-        self.total = self.total + term.total.detach().double()
-        self.count = self.count + term.count
-        for name, value in term.stats.items():
-            value = value.detach()
-            self.stats[name] = self.stats[name] + (value.double() if value.is_floating_point() else value)
+    def add(self, term):  # kept per block, summed once at the end: no kernel and no host sync per block
+        self.totals.append(term.total.detach())
+        self.valids.append(term.valid.reshape(-1))
+        for name, value in term.stats.items(): self.parts[name].append(value.detach())
+
+    def close(self):
+        "Sum the blocks: floats in float64, counts in int64."
+        self.total = _sum_of(self.totals, torch.float64)
+        self.count = torch.cat(self.valids).sum() if self.valids else torch.zeros((), dtype=torch.int64)
+        self.stats = defaultdict(lambda: torch.zeros((), dtype=torch.int64))  # no block at all: every stat is 0
+        for name, values in self.parts.items():
+            self.stats[name] = _sum_of(values, torch.float64 if values[0].is_floating_point() else torch.int64)
 
     def finished(self, dtype):
         "The sums with floats back in the compute dtype."
@@ -1645,13 +1729,19 @@ class _TermSum:
 class _BlockSums:
     "What a pass over the blocks adds up: CE, correct predictions, CE targets and each teacher's term."
     def __init__(self, keys):
-        self.ce_sum, self.correct, self.n_targets = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        self.blocks = defaultdict(list)
         self.terms = {key: _TermSum() for key in keys}
 
     def add(self, parts):
-        self.ce_sum = self.ce_sum + parts.ce_sum.detach().double()
-        self.correct, self.n_targets = self.correct + parts.correct, self.n_targets + parts.n_targets
+        for name in ("ce_sum", "correct", "n_targets"): self.blocks[name].append(getattr(parts, name).detach())
         for key, term in parts.terms.items(): self.terms[key].add(term)
+
+    def close(self):
+        "Sum the blocks (once, after the last one)."
+        self.ce_sum = _sum_of(self.blocks["ce_sum"], torch.float64)
+        self.correct, self.n_targets = (_sum_of(self.blocks[name], torch.int64) for name in ("correct", "n_targets"))
+        for term in self.terms.values(): term.close()
+        return self
 
     def values(self, plan, dtype):
         "`(KD, CE)` of the microbatch in the compute dtype, from the float64 sums."
@@ -1677,7 +1767,7 @@ def _run_blocks(mb, teachers, plan, source, factors):
             width = local.shape[-1]
             source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
         sums.add(parts)
-    return sums
+    return sums.close()
 
 # %% ../nbs/08_losses.ipynb #fbc66148
 class _PrecomputedGradients(torch.autograd.Function):
