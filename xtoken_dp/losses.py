@@ -39,14 +39,15 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_MIN_POSITIONS', 'FUSED_WEIGHT_ROWS',
-           'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask',
-           'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size',
-           'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch',
-           'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm',
-           'per_chunk_losses', 'teacher_weights', 'combine_losses', 'resolve_block_size', 'xtoken_kd_loss',
-           'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
-           'get_sparse_projection_matrix', 'get_topk_projection']
+           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
+           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
+           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
+           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
+           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
+           'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights', 'combine_losses',
+           'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
+           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
+           'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1531,7 +1532,13 @@ def _sample_blocks(b, T, cuts, size):
 # %% ../nbs/08_losses.ipynb #a5ee8578
 AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this many bytes are computed whole
 AUTO_BLOCKS = 64  # block_size="auto": about this many blocks per microbatch above AUTO_WHOLE_BYTES
+AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs the most working memory
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
+
+
+def auto_blocks(config: XTokenLossConfig) -> int:
+    "How many blocks `block_size=\"auto\"` cuts a large microbatch into: the most that any of its teachers' modes asks for."
+    return max([AUTO_BLOCKS] + [AUTO_BLOCKS_BY_MODE.get(t.mode, AUTO_BLOCKS) for t in config.teachers])
 
 
 def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
@@ -1539,11 +1546,12 @@ def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "au
                        seq_len: int, # T_s, student positions per sample
                        width: int, # W_s, the student logits' full width (all tensor-parallel shards)
                        itemsize: int, # bytes per logit
+                       blocks: int = AUTO_BLOCKS, # about how many blocks "auto" makes (`auto_blocks(config)`)
                       ) -> int | None:
     "Student positions per block for these logits (None: compute the microbatch whole)."
     if block_size != "auto": return block_size
     if batch * seq_len * width * itemsize <= AUTO_WHOLE_BYTES: return None
-    return min(max(math.ceil(batch * seq_len / AUTO_BLOCKS), AUTO_MIN_POSITIONS), max(seq_len, 1))
+    return min(max(math.ceil(batch * seq_len / blocks), AUTO_MIN_POSITIONS), max(seq_len, 1))
 
 # %% ../nbs/08_losses.ipynb #2bfee18f
 def _columns_by_rows(rows_of, voters, shape, k, scope, step):
@@ -1865,7 +1873,7 @@ def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >
     _check_normalizers(normalizers, config)
     B, T, W = student_logits.shape if student_logits.dim() == 3 else (0, 0, 0)  # a wrong shape is refused further on
     size = resolve_block_size(config.block_size, B, T, W * _tp_layout(tp_group)[1],
-                              student_logits.element_size())
+                              student_logits.element_size(), auto_blocks(config))
     if size is not None or tp_group is not None:
         config = dataclasses.replace(config, block_size=size or max(T, 1))
         return _blockwise_loss(_LogitsSource(student_logits, tp_group), batch, teacher_logits, config, normalizers, group)
@@ -1983,7 +1991,7 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
-    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size())
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config))
     config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 

@@ -226,10 +226,11 @@ def ours_config(mode: str, # a loss mode
     same = mode == "topk_kl"
     spec = TeacherLossSpec(mode, projection_path if mode in PROJECTION_MODES else None, scale.V_s if same else scale.V_t)
     if not blocked_available(): return XTokenLossConfig(scale.V_s, [spec])
-    # blocked rows cut the sample into AUTO_BLOCKS blocks at every size: what "auto" picks at the full sizes, and blocks
-    # still (rather than one whole pass) at the quick size, whose logits "auto" would compute whole
-    size = max(1, -(-scale.T_s // losses.AUTO_BLOCKS)) if blocked else None
-    return XTokenLossConfig(scale.V_s, [spec], block_size=size)
+    # blocked rows cut the sample into as many blocks as "auto" makes at the full sizes, at every size: blocks still
+    # (rather than one whole pass) at the quick size, whose logits "auto" would compute whole
+    config = XTokenLossConfig(scale.V_s, [spec])
+    blocks = losses.auto_blocks(config) if hasattr(losses, "auto_blocks") else losses.AUTO_BLOCKS
+    return replace(config, block_size=max(1, -(-scale.T_s // blocks)) if blocked else None)
 
 
 def _liger_loss(row, x):
