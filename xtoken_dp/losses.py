@@ -1620,8 +1620,12 @@ def _plan_blocks(mb, teachers, computed, size):
 def _block_kept(ids, valid, blk, i):
     "Teacher `i`'s `_kept_positions` inside one block, from the plan's CPU ids and gate (False: every row)."
     (sigma, tau), (q0, q1), (lo, hi) = ids, blk.spans[i], blk.ranges[i]
-    rebase = lambda x: torch.where(x >= 0, x - lo, -1)[None]
-    return _kept_positions(rebase(sigma[blk.p0:blk.p1]), rebase(tau[q0:q1]), valid[None, lo:hi + 1]) or False
+    return _kept_positions(_rebased(sigma[blk.p0:blk.p1], lo)[None], _rebased(tau[q0:q1], lo)[None], valid[None, lo:hi + 1]) or False
+
+
+def _rebased(ids, lo):
+    "A block's chunk ids shifted down by its first id `lo` (a block never splits a chunk: every id is -1 or at least `lo`)."
+    return ids if lo == 0 else (ids - lo).clamp_min_(-1)
 
 
 def _id_range(sigma, tau):
@@ -1659,8 +1663,7 @@ def _block_chunks(chunks, blk, span, kept=False):
     ((q0, q1), (lo, hi)), b = span, blk.b  # the range was found when the blocks were planned: no device sync here
     valid = chunks.valid[b:b + 1, lo:hi + 1]
     if kept: return _Chunks(None, None, valid, hi - lo + 1)
-    rebase = lambda x: x if lo == 0 else (x - lo).clamp_min_(-1)  # every id here is -1 or at least lo
-    return _Chunks(rebase(chunks.sigma[b:b + 1, blk.p0:blk.p1]), rebase(chunks.tau[b:b + 1, q0:q1]), valid, hi - lo + 1)
+    return _Chunks(_rebased(chunks.sigma[b:b + 1, blk.p0:blk.p1], lo), _rebased(chunks.tau[b:b + 1, q0:q1], lo), valid, hi - lo + 1)
 
 
 def _block_microbatch(mb, blk, z, chunks):
