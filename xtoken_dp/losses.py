@@ -39,11 +39,11 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
-           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
-           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
-           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
-           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
+           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_BY_MODE',
+           'AUTO_MIN_POSITIONS', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs',
+           'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group',
+           'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean',
+           'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
            'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights', 'combine_losses',
            'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
            'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
@@ -258,13 +258,15 @@ def _csr(M, transpose):
     return _remembered("csr_t" if transpose else "csr", M, None, convert)
 
 
-SMALL_DENSE_COLUMNS = 128  # on CPU, a transposed row-major operand this narrow is copied and multiplied from the right
+SMALL_DENSE_COLUMNS = {"cpu": 128, "cuda": 1024}  # a transposed row-major operand this narrow is copied, multiplied from the right
 
 
 def _sparse_mm(A, D, *, transpose=False):
-    "`op(A)·D` for a sparse COO `A` (`op`: `Aᵀ` if `transpose`) and a dense `D`; a transposed row-major `D` goes through CSR."
+    """`op(A)·D` for a sparse COO `A` (`op`: `Aᵀ` if `transpose`) and a dense `D`; a transposed row-major `D` goes through CSR.
+    On CUDA, a dense-times-CSR product waits for the device in every call (twice per block of a P-KL step on an H200):
+    a block's narrow `D` is copied instead, for the cached CSR matrix times a dense one."""
     if D.shape[1] > 1 and not D.is_contiguous() and D.t().is_contiguous():
-        if D.device.type == "cpu" and D.shape[1] <= SMALL_DENSE_COLUMNS: return _csr(A, transpose) @ D.contiguous()
+        if D.shape[1] <= SMALL_DENSE_COLUMNS.get(D.device.type, 0): return _csr(A, transpose) @ D.contiguous()
         return (D.t() @ _csr(A, not transpose)).t()  # op(A)·D = (Dᵀ·op(A)ᵀ)ᵀ, D read in place
     return torch.sparse.mm(A.t() if transpose else A, D.contiguous())
 
@@ -1143,7 +1145,15 @@ def _sorted_l1(a, b, k):
     if (a.device.type == "cpu" and b.device.type == "cpu" and not b.requires_grad and a.dtype == b.dtype
             and a.dtype in (torch.float32, torch.float64) and a.numel() and 4 * k >= a.shape[-1]):
         return _SortedL1.apply(a, b, k)
-    return (a.topk(k, -1).values - b.topk(k, -1).values).abs().sum(-1)
+    # on CUDA, topk with k most of the row selects, then sorts what it selected: one sort of the row does less
+    top = (lambda x: x.sort(-1, descending=True).values[..., :k]) if a.device.type == "cuda" and 4 * k >= a.shape[-1] \
+        else (lambda x: x.topk(k, -1).values)
+    return (top(a) - top(b)).abs().sum(-1)
+
+
+def _columns(x, ids):
+    "`x[..., ids]` for a 1-D `ids`; its gradient is an `index_add`, not the sorting `index_put` behind `x[..., ids]` on CUDA."
+    return x.index_select(-1, ids)
 
 
 def _gold_term(mb, teacher, chunks):
@@ -1159,19 +1169,19 @@ def _gold_term(mb, teacher, chunks):
     if cfg.reference_formulas:
         A_s = _reduce(torch.log_softmax(_tempered(z, kappa), -1), chunks.sigma, C, cfg.chunk_reduce)
         A_t = _reduce(torch.log_softmax(_tempered(y, kappa), -1), chunks.tau, C, cfg.chunk_reduce)
-        a_s, a_t = A_s[..., c_s], A_t[..., c_t]
+        a_s, a_t = _columns(A_s, c_s), _columns(A_t, c_t)
         common = (a_s.exp() * (a_s - a_t)).sum(-1) if cfg.reverse_kl else (a_t.exp() * (a_t - a_s)).sum(-1)
-        tail_s, tail_t, rho_t = A_s[..., u_s].exp(), A_t[..., u_t].exp(), (1 - a_t.exp().sum(-1)).clamp_min(0)
+        tail_s, tail_t, rho_t = _columns(A_s, u_s).exp(), _columns(A_t, u_t).exp(), (1 - a_t.exp().sum(-1)).clamp_min(0)
     else:
         P_s = _chunk_distributions(z, chunks.sigma, C, cfg)
         P_t = _chunk_distributions(y, chunks.tau, C, cfg)
-        a_s, a_t = P_s[..., c_s], P_t[..., c_t]
+        a_s, a_t = _columns(P_s, c_s), _columns(P_t, c_t)
         rho_s, rho_t = (1 - a_s.sum(-1)).clamp_min(0), (1 - a_t.sum(-1)).clamp_min(0)
         if cfg.effective_common_renormalize:
             p, q = a_t / a_t.sum(-1, keepdim=True).clamp_min(TINY), a_s / a_s.sum(-1, keepdim=True).clamp_min(TINY)
         else: p, q = torch.cat([a_t, rho_t[..., None]], -1), torch.cat([a_s, rho_s[..., None]], -1)
         common = _kl(q, p) if cfg.reverse_kl else _kl(p, q)
-        tail_s, tail_t = P_s[..., u_s], P_t[..., u_t]
+        tail_s, tail_t = _columns(P_s, u_s), _columns(P_t, u_t)
     l1 = _sorted_l1(tail_s, tail_t, min(u_s.numel(), u_t.numel(), cfg.uncommon_topk))
     valid = chunks.valid
     kl_common = torch.where(valid, kappa ** 2 * common, 0.)
@@ -1532,13 +1542,17 @@ def _sample_blocks(b, T, cuts, size):
 # %% ../nbs/08_losses.ipynb #a5ee8578
 AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this many bytes are computed whole
 AUTO_BLOCKS = 64  # block_size="auto": about this many blocks per microbatch above AUTO_WHOLE_BYTES
-AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs the most working memory
+AUTO_BLOCKS_FUSED = 32  # ...and half as many with the lm_head fused: no [B, T, V] logit gradient sits beside the block
+AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many on either path, for a mode whose block needs the most working memory
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
 
 
-def auto_blocks(config: XTokenLossConfig) -> int:
+def auto_blocks(config: XTokenLossConfig, # the loss configuration
+                fused: bool = False, # for `xtoken_kd_loss_fused` (True) or `xtoken_kd_loss` (False)
+               ) -> int:
     "How many blocks `block_size=\"auto\"` cuts a large microbatch into: the most that any of its teachers' modes asks for."
-    return max([AUTO_BLOCKS] + [AUTO_BLOCKS_BY_MODE.get(t.mode, AUTO_BLOCKS) for t in config.teachers])
+    base = AUTO_BLOCKS_FUSED if fused else AUTO_BLOCKS
+    return max([base] + [AUTO_BLOCKS_BY_MODE.get(t.mode, base) for t in config.teachers])
 
 
 def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
@@ -1994,7 +2008,7 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
-    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config))
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config, fused=True))
     config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 
