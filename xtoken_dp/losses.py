@@ -1543,16 +1543,19 @@ def _sample_blocks(b, T, cuts, size):
 AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this many bytes are computed whole
 AUTO_BLOCKS = 64  # block_size="auto": about this many blocks per microbatch above AUTO_WHOLE_BYTES
 AUTO_BLOCKS_FUSED = 32  # ...and half as many with the lm_head fused: no [B, T, V] logit gradient sits beside the block
-AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many on either path, for a mode whose block needs the most working memory
+# (logits path, fused path) for a mode whose block needs less working memory per position, or more (ULD's sorts)
+AUTO_BLOCKS_BY_MODE = {"gold": (32, 32), "hkl": (32, 32), "alm": (32, 32), "uld": (128, 128)}
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
 
 
 def auto_blocks(config: XTokenLossConfig, # the loss configuration
                 fused: bool = False, # for `xtoken_kd_loss_fused` (True) or `xtoken_kd_loss` (False)
                ) -> int:
-    "How many blocks `block_size=\"auto\"` cuts a large microbatch into: the most that any of its teachers' modes asks for."
+    """How many blocks `block_size=\"auto\"` cuts a large microbatch into: what a lone teacher's mode asks for, and with
+    several teachers (whose terms share each block) the most that any asks for, never fewer than the default."""
     base = AUTO_BLOCKS_FUSED if fused else AUTO_BLOCKS
-    return max([base] + [AUTO_BLOCKS_BY_MODE.get(t.mode, base) for t in config.teachers])
+    asked = [AUTO_BLOCKS_BY_MODE[t.mode][fused] if t.mode in AUTO_BLOCKS_BY_MODE else base for t in config.teachers]
+    return asked[0] if len(asked) == 1 else max([base] + asked)
 
 
 def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
