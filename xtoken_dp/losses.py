@@ -39,15 +39,15 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_BY_MODE',
-           'AUTO_MIN_POSITIONS', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs',
-           'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group',
-           'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean',
-           'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
-           'compute_global_normalizers', 'TeacherTerm', 'per_chunk_losses', 'teacher_weights', 'combine_losses',
-           'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused',
-           'reduce_metrics', 'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix',
-           'get_topk_projection']
+           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
+           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
+           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
+           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
+           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
+           'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses', 'teacher_weights',
+           'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss',
+           'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
+           'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1190,6 +1190,30 @@ def _gold_term(mb, teacher, chunks):
     return _term(kl_common + l1_part, valid, kl_common=kl_common.sum().detach(), l1_uncommon=l1_part.sum().detach(),
                  top1_common=top1, uncommon_mass=torch.where(valid, rho_t, 0.).sum().detach())
 
+# %% ../nbs/08_losses.ipynb #b4c15b02
+class SoftmaxKL(torch.autograd.Function):
+    "Per row, `KL(softmax(y/κ) ‖ softmax(z/κ))` (`reverse`: `KL(softmax(z/κ) ‖ softmax(y/κ))`), its gradient in closed form."
+    @staticmethod
+    def forward(ctx, z, y, kappa, reverse):
+        log_s, log_t = torch.log_softmax(_tempered(z, kappa), -1), torch.log_softmax(_tempered(y, kappa), -1)
+        a, b = (log_s, log_t) if reverse else (log_t, log_s)  # KL(a‖b) = Σ eᵃ(a − b)
+        kl = a.exp().mul_(a - b).sum(-1)
+        ctx.save_for_backward(log_s, log_t, kl)
+        ctx.kappa, ctx.reverse = kappa, reverse
+        return kl
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        log_s, log_t, kl = ctx.saved_tensors
+        a, b = (log_s, log_t) if ctx.reverse else (log_t, log_s)
+        scale = (grad / ctx.kappa).unsqueeze(-1)
+        wants_a, wants_b = ctx.needs_input_grad[:2] if ctx.reverse else ctx.needs_input_grad[1::-1]
+        grad_a = (a - b).sub_(kl.unsqueeze(-1)).mul_(a.exp()).mul_(scale) if wants_a else None
+        grad_b = b.exp().sub_(a.exp()).mul_(scale) if wants_b else None
+        grad_z, grad_y = (grad_a, grad_b) if ctx.reverse else (grad_b, grad_a)
+        return grad_z, grad_y, None, None
+
 # %% ../nbs/08_losses.ipynb #4bae7660
 def _topk_kl_term(mb, y, cols=None):
     cfg, kappa = mb.config, mb.config.temperature
@@ -1199,9 +1223,7 @@ def _topk_kl_term(mb, y, cols=None):
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
     z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
     if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope)
-    log_t = torch.log_softmax(_tempered(_at_columns(y, cols), kappa), -1)
-    log_s = torch.log_softmax(_tempered(_at_columns(z, cols), kappa), -1)
-    kl = (log_s.exp() * (log_s - log_t)).sum(-1) if cfg.reverse_kl else (log_t.exp() * (log_t - log_s)).sum(-1)
+    kl = SoftmaxKL.apply(_at_columns(z, cols), _at_columns(y, cols), kappa, cfg.reverse_kl)
     return _term(kappa ** 2 * kl, mb.next_mask)
 
 # %% ../nbs/08_losses.ipynb #b4c15bd0
@@ -1541,21 +1563,15 @@ def _sample_blocks(b, T, cuts, size):
 
 # %% ../nbs/08_losses.ipynb #a5ee8578
 AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this many bytes are computed whole
-AUTO_BLOCKS = 64  # block_size="auto": about this many blocks per microbatch above AUTO_WHOLE_BYTES
-AUTO_BLOCKS_FUSED = 32  # ...and half as many with the lm_head fused: no [B, T, V] logit gradient sits beside the block
-# (logits path, fused path) for a mode whose block needs less working memory per position, or more (ULD's sorts)
-AUTO_BLOCKS_BY_MODE = {"gold": (32, 32), "hkl": (32, 32), "alm": (32, 32), "uld": (128, 128)}
+AUTO_BLOCKS = 32  # block_size="auto": about this many blocks per microbatch and teacher above AUTO_WHOLE_BYTES
+AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs more working memory (ULD's sorts)
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
 
 
-def auto_blocks(config: XTokenLossConfig, # the loss configuration
-                fused: bool = False, # for `xtoken_kd_loss_fused` (True) or `xtoken_kd_loss` (False)
-               ) -> int:
-    """How many blocks `block_size=\"auto\"` cuts a large microbatch into: what a lone teacher's mode asks for, and with
-    several teachers (whose terms share each block) the most that any asks for, never fewer than the default."""
-    base = AUTO_BLOCKS_FUSED if fused else AUTO_BLOCKS
-    asked = [AUTO_BLOCKS_BY_MODE[t.mode][fused] if t.mode in AUTO_BLOCKS_BY_MODE else base for t in config.teachers]
-    return asked[0] if len(asked) == 1 else max([base] + asked)
+def auto_blocks(config: XTokenLossConfig) -> int:
+    """How many blocks `block_size=\"auto\"` cuts a large microbatch into: each teacher's mode asks for its count, and
+    several teachers, whose terms share every block, add theirs up (so that a block's working memory stays about one term's)."""
+    return sum(AUTO_BLOCKS_BY_MODE.get(t.mode, AUTO_BLOCKS) for t in config.teachers)
 
 
 def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
@@ -1794,6 +1810,7 @@ def _run_blocks(mb, teachers, plan, source, factors):
             if grad is None: grad = torch.zeros_like(z)
             width = local.shape[-1]
             source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
+            del grad  # not alive through the next block's forward pass
         sums.add(parts)
     return sums.close()
 
@@ -2011,7 +2028,7 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
-    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config, fused=True))
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config))
     config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 
