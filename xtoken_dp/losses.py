@@ -802,13 +802,30 @@ def _check_targets(targets, mask, width):
         raise ValueError(f"target ids must be < the logits width {width}, got {int(targets[mask].max())}")
 
 
+class _TargetLogprob(torch.autograd.Function):
+    """`log softmax(logits)[target]`, 0 where `mask` is False, with autograd's gradient of that formula written out:
+    `g·(onehot − softmax)` in one tensor of the logits' size, where the graph's backward makes four."""
+    @staticmethod
+    def forward(ctx, logits, picked, mask):
+        lse = torch.logsumexp(logits, -1)
+        ctx.save_for_backward(logits, picked, mask, lse)
+        return torch.where(mask, logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - lse, 0.)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        logits, picked, mask, lse = ctx.saved_tensors
+        g = torch.where(mask, grad, 0.).unsqueeze(-1)
+        out = (logits - lse.unsqueeze(-1)).exp_().mul_(-g)  # ∂/∂logits of −logsumexp
+        return out.scatter_add_(-1, picked.unsqueeze(-1), g), None, None  # ... and of the picked logit
+
+
 def _next_logprob(logits, targets, mask, check=True):
     "`log softmax(logits)[target]` per position (full width), 0 where `mask` is False (`check=False`: targets known < width)."
     width = logits.shape[-1]
     picked = targets.clamp(0, max(width - 1, 0))
     if check: _check_targets(targets, mask, width)
-    out = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-    return torch.where(mask, out, 0.)
+    return _TargetLogprob.apply(logits, picked, mask)
 
 
 class _Microbatch:
@@ -884,15 +901,16 @@ class _Teacher:
         dense = self.raw.densify() if self.is_record else self.raw
         return dense.detach().to(self.mb.device, self.mb.dtype)
 
-    def rows(self, b, q0, q1) -> Tensor:
-        "Logits of sample `b` at positions `[q0, q1)`, `[1, q1 - q0, W_t]`; a dataclass record densifies only those rows."
+    def rows(self, b, q0, q1, convert=True) -> Tensor:
+        """Logits of sample `b` at positions `[q0, q1)`, `[1, q1 - q0, W_t]`; a dataclass record densifies only those rows.
+        `convert=False` leaves them in their own dtype, for a caller that keeps a few of them and converts those."""
         if not self.is_record: dense = self.raw[b:b + 1, q0:q1]
         elif dataclasses.is_dataclass(self.raw):
             parts = {f.name: getattr(self.raw, f.name)[b:b + 1, q0:q1] for f in dataclasses.fields(self.raw)
                      if isinstance(getattr(self.raw, f.name), Tensor)}
             dense = dataclasses.replace(self.raw, **parts).densify()
         else: return self.logits[b:b + 1, q0:q1]
-        return dense.detach().to(self.mb.device, self.mb.dtype)
+        return dense.detach().to(self.mb.device, self.mb.dtype if convert else None)
 
     def sliced(self, width):
         "The teacher logits cut to the `width` columns of the teacher's vocabulary (a `ValueError` if narrower)."
@@ -957,9 +975,31 @@ def _top1(x):
     return x.max(-1).indices
 
 
+class _ProbKL(torch.autograd.Function):
+    """`Σ_v p (log p̃ − log q̃)` (`x̃ = max(x, TINY)`) with autograd's gradient of that formula written out: it keeps `p`
+    and `q`, where the graph of the formula keeps five tensors of their size, and recomputes the logs in backward."""
+    @staticmethod
+    def forward(ctx, p, q):
+        ctx.save_for_backward(p, q)
+        return p.clamp_min(TINY).log_().sub_(q.clamp_min(TINY).log_()).mul_(p).sum(-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        p, q = ctx.saved_tensors
+        g = grad.unsqueeze(-1)
+        grad_p = grad_q = None
+        if ctx.needs_input_grad[0]:  # ∂/∂p = log p̃ − log q̃ + [p ≥ TINY]
+            grad_p = p.clamp_min(TINY).log_().sub_(q.clamp_min(TINY).log_()).add_(p >= TINY).mul_(g)
+        if ctx.needs_input_grad[1]:  # ∂/∂q = −p / q̃ · [q ≥ TINY]
+            grad_q = (p / q.clamp_min(TINY)).mul_(q >= TINY).mul_(-g)
+        return grad_p, grad_q
+
+
 def _kl(p, q):
     "`Σ_v p (log p − log q)` over the last dim, for probability tensors (0·log 0 = 0)."
-    return (p * (_safe_log(p) - _safe_log(q))).sum(-1)
+    if p.shape != q.shape: return (p * (_safe_log(p) - _safe_log(q))).sum(-1)
+    return _ProbKL.apply(p, q)
 
 
 def _log1mexp(u):
@@ -1341,7 +1381,7 @@ def _on_kept(term_fn, mb, teacher, chunks, kept):
                          dtype=mb.dtype, sample_on=mb.sample_on, _chunks={teacher.i: kept.chunks})
     columns = teacher.fixed_columns  # a blockwise pass fixed them; else pkl votes them now, over every row
     if columns is None and teacher.spec.mode == "pkl": columns = _pkl_columns(mb, teacher, chunks, _pkl_projection(mb, teacher.spec).shape[1])
-    y = _rows(teacher.logits, kept.t_index)  # logits are width-checked by the term, with its own message
+    y = _rows(teacher.logits, kept.t_index).to(mb.dtype)  # width-checked by the term, with its own message
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_record=teacher.is_record, T=y.shape[1],
                          W=teacher.W, logits=y, fixed_columns=columns)
     term = term_fn(part, view, kept.chunks)
@@ -1714,9 +1754,10 @@ def _block_teacher(teacher, part, blk, columns):
     rows = lambda x: x if x is None else x[blk.b:blk.b + 1, q0:q1]
     mask, targets = teacher.next_mask_and_targets
     raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
+    kept = blk.kept.get(teacher.i)  # kept rows: converted to the compute dtype once picked, not the whole block first
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
-                         logits=teacher.rows(blk.b, q0, q1), next_mask_and_targets=(rows(mask), rows(targets)),
-                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=blk.kept.get(teacher.i),
+                         logits=teacher.rows(blk.b, q0, q1, convert=not kept), next_mask_and_targets=(rows(mask), rows(targets)),
+                         fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=kept,
                          alm_checked=True)  # the plan checked them
     return view
 
