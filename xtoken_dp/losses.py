@@ -997,8 +997,7 @@ class _ProbKL(torch.autograd.Function):
 
 
 def _kl(p, q):
-    "`Σ_v p (log p − log q)` over the last dim, for probability tensors (0·log 0 = 0)."
-    if p.shape != q.shape: return (p * (_safe_log(p) - _safe_log(q))).sum(-1)
+    "`Σ_v p (log p − log q)` over the last dim, for probability tensors of one shape (0·log 0 = 0)."
     return _ProbKL.apply(p, q)
 
 
