@@ -583,7 +583,8 @@ def tp_run(config, data, block_size, shard=(0, 1), dp_group=None, tp_group=None)
     "`(loss, logit gradient, metrics)` and `(loss, (hidden, weight, bias) gradients)` of the logits and fused forms on one shard."
     import dataclasses
     batch, student, teachers, hidden, weight, bias = data
-    config = dataclasses.replace(config, block_size=block_size)
+    overwrite = block_size == "overwrite"  # blocks of 2, the gradient written over each rank's shard of the logits
+    config = dataclasses.replace(config, block_size=2 if overwrite else block_size, overwrite_logits=overwrite)
     rank, size = shard
     cols = slice(rank * TP_WIDTH // size, (rank + 1) * TP_WIDTH // size)
     norms = L.compute_global_normalizers(batch, config, group=dp_group)

@@ -1,7 +1,7 @@
 """Vocabulary-parallel student logits (`tp_group=`): with the logits' columns (or the lm_head's rows) split over two
 gloo processes, every rank gets the unsharded loss and metrics, and its own columns (rows) of the gradient; the fused
-form's hidden-state gradient is the full one on both ranks. Every mode and aggregation, blocks of 2 positions and
-whole samples, against one process holding everything (float64, 1e-10 relative).
+form's hidden-state gradient is the full one on both ranks. Every mode and aggregation, blocks of 2 positions (also
+with the gradient written over the logits) and whole samples, against one process holding everything (float64, 1e-10 relative).
 """
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch
 from losses_helpers import TP_WIDTH, every_config, run_spawned, tp_data, tp_run, write_projections
 
 NAMES = tuple(every_config("p.pt"))
-BLOCK_SIZES = (2, None)
+BLOCK_SIZES = (2, None, "overwrite")  # "overwrite": blocks of 2 with overwrite_logits=True
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,14 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
            'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
-           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
-           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
-           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
-           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
-           'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses', 'teacher_weights',
-           'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss',
-           'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
-           'get_sparse_projection_matrix', 'get_topk_projection']
+           'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS',
+           'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM',
+           'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack',
+           'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec',
+           'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL',
+           'per_chunk_losses', 'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size',
+           'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
+           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -528,6 +528,7 @@ class XTokenLossConfig:
     sum_weights_metric: str | None = None  # sum: None (static weights), "ce", "entropy" or "max_prob"
     reference_formulas: bool = False  # the reference loss implementation's per-chunk formulas (values can be negative)
     block_size: int | str | None = "auto"  # student positions per block; "auto": by the logits' size (resolve_block_size); None: whole
+    overwrite_logits: bool = False  # write the logits' gradient into the student logits themselves (one logits-sized buffer less)
 
     def __post_init__(self): _validate_config(self)
 
@@ -608,7 +609,7 @@ def _validate_config(cfg):
         put(name, _check_float(name, getattr(cfg, name), positive=True))
     for name in ("kl_loss_weight", "ce_loss_scale", "alpha"): put(name, _check_float(name, getattr(cfg, name)))
     for name in ("reverse_kl", "exact_token_match_only", "projection_row_normalize", "common_renormalize",
-                 "dynamic_loss_scaling", "normalize_teacher_by_vocab", "reference_formulas"):
+                 "dynamic_loss_scaling", "normalize_teacher_by_vocab", "reference_formulas", "overwrite_logits"):
         put(name, check_bool(name, getattr(cfg, name)))
     _check_choice("topk_scope", cfg.topk_scope, ("sample", "microbatch"))
     _check_choice("chunk_target", cfg.chunk_target, ("arithmetic", "geometric"))
@@ -1605,12 +1606,18 @@ AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this ma
 AUTO_BLOCKS = 32  # block_size="auto": about this many blocks per microbatch and teacher above AUTO_WHOLE_BYTES
 AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs more working memory (ULD's sorts)
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
+AUTO_BLOCKS_OVERWRITE = 12  # overwrite_logits=True: no gradient buffer, so a block may hold about the logits' bytes
+AUTO_BLOCKS_OVERWRITE_BY_MODE = {"topk_kl": 16, "uld": 32}  # ...or this many, for the modes with more working memory
 
 
-def auto_blocks(config: XTokenLossConfig) -> int:
+def auto_blocks(config: XTokenLossConfig, # the loss configuration
+                overwrite: bool | None = None, # whether the gradient goes over the logits (None: `config.overwrite_logits`)
+               ) -> int:
     """How many blocks `block_size=\"auto\"` cuts a large microbatch into: each teacher's mode asks for its count, and
     several teachers, whose terms share every block, add theirs up (so that a block's working memory stays about one term's)."""
-    return sum(AUTO_BLOCKS_BY_MODE.get(t.mode, AUTO_BLOCKS) for t in config.teachers)
+    overwrite = config.overwrite_logits if overwrite is None else overwrite
+    blocks, by_mode = (AUTO_BLOCKS_OVERWRITE, AUTO_BLOCKS_OVERWRITE_BY_MODE) if overwrite else (AUTO_BLOCKS, AUTO_BLOCKS_BY_MODE)
+    return sum(by_mode.get(t.mode, blocks) for t in config.teachers)
 
 
 def resolve_block_size(block_size, # XTokenLossConfig.block_size: positions, "auto" or None
@@ -1868,8 +1875,10 @@ class _PrecomputedGradients(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None  # released at once: the only copy of the gradient is the one handed on
         if grads is None: raise RuntimeError("the blockwise loss keeps its gradients for one backward pass; "
                                              "recompute the loss to backpropagate again (or set block_size=None)")
-        unit = bool(grad_output == 1)
-        return (None, *(g if g is None or unit else g * grad_output.to(g.dtype) for g in grads))
+        if not bool(grad_output == 1):  # scaled in place: a scaled copy would hold each gradient twice
+            for g in grads:
+                if g is not None: g.mul_(grad_output.to(g.dtype))
+        return (None, *grads)
 
 
 def _tp_layout(tp_group):
@@ -1889,17 +1898,26 @@ def _gather_columns(block, tp_group, tp_size):
 
 
 class _LogitsSource:
-    "Student logits, whole or this rank's column shard: blocks read from them, their gradient written back by block."
-    def __init__(self, logits, tp_group):
+    """Student logits, whole or this rank's column shard: blocks read from them, their gradient written back by block
+    (into a buffer of their size, or with `overwrite` into the logits themselves)."""
+    def __init__(self, logits, tp_group, overwrite=False):
         if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
             raise ValueError(f"student_logits must be a floating [B, T_s, W_s] tensor, got "
                              f"{getattr(logits, 'shape', type(logits).__name__)}")
         self.logits, self.tp_group, self.inputs = logits, tp_group, (logits,)
         self.tp_rank, self.tp_size = _tp_layout(tp_group)
         self.stand_in, self.width, self.device = logits, logits.shape[-1] * self.tp_size, logits.device
+        self.overwrite = overwrite
 
     def block(self, blk): return self.logits[blk.b:blk.b + 1, blk.p0:blk.p1]
-    def start(self): self.grad = torch.zeros_like(self.logits)
+
+    def start(self, blocks):
+        if not self.overwrite:
+            self.grad = torch.zeros_like(self.logits)
+            return
+        self.grad = self.logits  # each block overwrites its own rows once it has read them
+        idle = sorted(set(range(self.logits.shape[0])) - {blk.b for blk in blocks})
+        if idle: self.logits[idle] = 0  # a masked sample has no block: its gradient is 0
     def store(self, blk, grad): self.grad[blk.b:blk.b + 1, blk.p0:blk.p1] = grad
     def finish(self):
         grad, self.grad = self.grad, None  # the autograd function then holds the only reference: no copy into .grad
@@ -1912,7 +1930,7 @@ def _loss_and_grads(mb, teachers, plan, source, need_grad, out):
     factors = (config.kl_loss_weight, config.ce_loss_scale)
     if config.dynamic_loss_scaling and need_grad:
         factors = (combine_losses(*_run_blocks(mb, teachers, plan, source, None).values(plan, mb.dtype), config)[1], 1.)
-    if need_grad: source.start()
+    if need_grad: source.start(plan.blocks)
     sums = _run_blocks(mb, teachers, plan, source, factors if need_grad else None)
     kd, ce = sums.values(plan, mb.dtype)
     loss, scale = combine_losses(kd, ce, config)
@@ -1951,9 +1969,10 @@ def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >
     B, T, W = student_logits.shape if student_logits.dim() == 3 else (0, 0, 0)  # a wrong shape is refused further on
     size = resolve_block_size(config.block_size, B, T, W * _tp_layout(tp_group)[1],
                               student_logits.element_size(), auto_blocks(config))
-    if size is not None or tp_group is not None:
+    if size is not None or tp_group is not None or config.overwrite_logits:
         config = dataclasses.replace(config, block_size=size or max(T, 1))
-        return _blockwise_loss(_LogitsSource(student_logits, tp_group), batch, teacher_logits, config, normalizers, group)
+        source = _LogitsSource(student_logits, tp_group, overwrite=config.overwrite_logits)
+        return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
     with torch.autocast(device_type=student_logits.device.type, enabled=False):
         mb = _Microbatch(student_logits, batch, config)
         teachers = [_Teacher(mb, i, _teacher_input(teacher_logits, i)) for i in range(len(config.teachers))]
@@ -2005,7 +2024,7 @@ class _FusedSource:
         h = self.hidden[blk.b, blk.p0:blk.p1]
         return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[None]
 
-    def start(self):
+    def start(self, blocks):
         accumulate = self.accum_dtype
         self.grad_hidden = torch.zeros_like(self.hidden)
         self.grad_weight = torch.zeros_like(self.weight, dtype=accumulate)
@@ -2068,7 +2087,7 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
-    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config))
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config, overwrite=False))
     config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 

@@ -37,10 +37,11 @@ from ..schema import AlignmentBatch
 
 # %% auto #0
 __all__ = ['CPU_SCALE', 'CPU_QUICK', 'GPU_SCALE', 'GPU_QUICK', 'GPU_LENGTHS', 'FLOORS', 'LIGER_ROWS', 'PATHS', 'MIB', 'CPU_BARS',
-           'GPU_BARS', 'GPU_TOTAL_BYTES', 'COMPARED_WITH', 'Scale', 'row_names', 'blocked_available', 'fused_available',
-           'liger_status', 'unavailable', 'random_batch', 'one_to_one_share', 'write_random_projection', 'next_targets',
-           'ce_floor', 'kd_floor', 'make_inputs', 'ours_config', 'make_loss', 'peak_extra', 'measure_row',
-           'measure_in_subprocess', 'summary_rows', 'bars_of', 'verdict', 'scales_of', 'run']
+           'GPU_BARS', 'GPU_TOTAL_BYTES', 'COMPARED_WITH', 'Scale', 'row_names', 'blocked_available',
+           'overwrite_available', 'fused_available', 'liger_status', 'unavailable', 'random_batch', 'one_to_one_share',
+           'write_random_projection', 'next_targets', 'ce_floor', 'kd_floor', 'make_inputs', 'ours_config', 'make_loss',
+           'peak_extra', 'measure_row', 'measure_in_subprocess', 'summary_rows', 'bars_of', 'verdict', 'scales_of',
+           'run']
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e009
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ GPU_LENGTHS = (4096, 8192, 16_384)
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e012
 FLOORS = ("ce", "ce+kl")  # plain-torch same-vocabulary floors
 LIGER_ROWS = ("liger_jsd", "liger_fused_linear_jsd")  # liger-kernel, where it runs
-PATHS = ("unblocked", "blocked", "lm_head+unblocked", "fused")  # the ways our loss is run, per mode
+PATHS = ("unblocked", "blocked", "overwrite", "lm_head+unblocked", "fused")  # the ways our loss is run, per mode
 
 
 def row_names(modes=LOSS_MODES, # loss modes to run
@@ -83,6 +84,11 @@ def row_names(modes=LOSS_MODES, # loss modes to run
 def blocked_available() -> bool:
     "Whether `XTokenLossConfig` has `block_size` (the blocked path; without it every call is unblocked)."
     return "block_size" in XTokenLossConfig.__dataclass_fields__
+
+
+def overwrite_available() -> bool:
+    "Whether `XTokenLossConfig` has `overwrite_logits` (the blocked path writing its gradient over the logits)."
+    return "overwrite_logits" in XTokenLossConfig.__dataclass_fields__
 
 
 def fused_available() -> bool:
@@ -106,6 +112,7 @@ def unavailable(row: str, # a name from `row_names`
     if row in LIGER_ROWS: return liger_status(device)
     path = row.partition("/")[2]
     if path == "blocked" and not blocked_available(): return "not available (no block_size in XTokenLossConfig)"
+    if path == "overwrite" and not overwrite_available(): return "not available (no overwrite_logits in XTokenLossConfig)"
     if path == "fused" and not fused_available(): return "not available (no xtoken_kd_loss_fused)"
     if path == "lm_head+unblocked" and not fused_available(): return "not run (it is what the fused path is compared with)"
     return None
@@ -221,6 +228,7 @@ def ours_config(mode: str, # a loss mode
                 scale: Scale, # the sizes
                 projection_path: str | os.PathLike | None, # the projection file (read by pkl, gold and hkl)
                 *, blocked: bool = True, # the default configuration; False: `block_size=None`, the unblocked path
+                overwrite: bool = False, # blocked with `overwrite_logits=True` (the gradient written over the logits)
                ) -> XTokenLossConfig:
     "The loss configuration of one row: one teacher of `mode`, otherwise the defaults."
     same = mode == "topk_kl"
@@ -228,7 +236,7 @@ def ours_config(mode: str, # a loss mode
     if not blocked_available(): return XTokenLossConfig(scale.V_s, [spec])
     # blocked rows cut the sample into as many blocks as "auto" makes at the full sizes, at every size: blocks still
     # (rather than one whole pass) at the quick size, whose logits "auto" would compute whole
-    config = XTokenLossConfig(scale.V_s, [spec])
+    config = XTokenLossConfig(scale.V_s, [spec], **({"overwrite_logits": True} if overwrite else {}))
     blocks = losses.auto_blocks(config) if hasattr(losses, "auto_blocks") else losses.AUTO_BLOCKS
     return replace(config, block_size=max(1, -(-scale.T_s // blocks)) if blocked else None)
 
@@ -257,7 +265,7 @@ def make_loss(row: str, # a name from `row_names`
     if row == "ce+kl": return lambda: kd_floor(x["student"], x["teacher"], x["targets"])
     if row in LIGER_ROWS: return _liger_loss(row, x)
     mode, _, path = row.partition("/")
-    config = ours_config(mode, scale, projection_path, blocked=path in ("blocked", "fused"))
+    config = ours_config(mode, scale, projection_path, blocked=path in ("blocked", "overwrite", "fused"), overwrite=path == "overwrite")
     norms, teacher = compute_global_normalizers(x["batch"], config), {0: x["teacher"]}
     if path == "fused":
         return lambda: losses.xtoken_kd_loss_fused(x["hidden"], x["weight"], x["batch"], teacher, config=config,
@@ -283,6 +291,15 @@ def peak_extra(step: Callable[[], object], # one forward + backward
     return {"before_bytes": before, "peak_extra_bytes": peak_rss() - before, "peak_reset": reset, "step_s": seconds}
 
 
+def _restorer(row, inputs):
+    "What puts an `overwrite` row's student logits back between steps, outside the timed step (a no-op for other rows)."
+    if row.partition("/")[2] != "overwrite": return lambda: None
+    saved = inputs["student"].detach().clone()  # an input's copy: held before the step, so not in its peak
+    def restore():
+        with torch.no_grad(): inputs["student"].copy_(saved)
+    return restore
+
+
 def measure_row(row: str, # a name from `row_names`
                 scale: Scale, # the sizes
                 device: str = "cpu", # "cpu" or "cuda"
@@ -296,13 +313,18 @@ def measure_row(row: str, # a name from `row_names`
         inputs = make_inputs(row, scale, device, seed=seed)
         loss = make_loss(row, scale, inputs, projection)
         leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        restore, overwrite = _restorer(row, inputs), row.partition("/")[2] == "overwrite"
         def step():
             for t in leaves: t.grad = None
-            loss().backward()
+            # an overwrite row's gradient is the logits' own memory: `.grad` of a leaf would copy it (autograd copies
+            # a gradient that is still referenced elsewhere), where a model's lm_head reads it in place
+            if overwrite: torch.autograd.grad(loss(), leaves)
+            else: loss().backward()
             if cuda: torch.cuda.synchronize()
         memory, timing = peak_extra(step, device), Timing(row)
         if not cuda: timing.times.append(memory["step_s"])  # no lazy start-up to leave out on a CPU
         while len(timing.times) < repeats:
+            restore()
             start = time.perf_counter(); step(); timing.times.append(time.perf_counter() - start)
     return {"row": row, "device": device, **asdict(scale), "logits_bytes": scale.logits_bytes, **memory,
             "threads": torch.get_num_threads(), "times": timing.times, "median_s": timing.median}
@@ -370,11 +392,12 @@ if __name__ == "__main__": _worker_main()
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e033
 MIB = 2 ** 20
-CPU_BARS = {"blocked": {"peak_x": 1.5, "vs_unblocked_x": 1.5}, "fused": {"peak_x": 1.5, "vs_unblocked_x": 1.5}}
-GPU_BARS = {"blocked": {"peak_x": 1.5, "vs_kd_floor_x": 2.0},
+CPU_BARS = {"blocked": {"peak_x": 1.5, "vs_unblocked_x": 1.5}, "overwrite": {"peak_x": 1.5, "vs_unblocked_x": 1.5},
+            "fused": {"peak_x": 1.5, "vs_unblocked_x": 1.5}}
+GPU_BARS = {"blocked": {"peak_x": 1.5, "vs_kd_floor_x": 2.0}, "overwrite": {"peak_x": 1.5, "vs_kd_floor_x": 2.0},
             "fused": {"peak_x": 1.5, "peak_vs_liger_x": 1.2, "vs_liger_x": 1.5}}
 GPU_TOTAL_BYTES = 80e9  # at T_s = 16384 a row must fit in 80 GB, inputs included
-COMPARED_WITH = {"blocked": "unblocked", "fused": "lm_head+unblocked"}  # the path each one's time is compared with
+COMPARED_WITH = {"blocked": "unblocked", "overwrite": "unblocked", "fused": "lm_head+unblocked"}  # the path each one's time is compared with
 
 
 def _ratio(a, b): return a / b if a is not None and b else None
