@@ -1606,8 +1606,8 @@ AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this ma
 AUTO_BLOCKS = 32  # block_size="auto": about this many blocks per microbatch and teacher above AUTO_WHOLE_BYTES
 AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs more working memory (ULD's sorts)
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
-AUTO_BLOCKS_OVERWRITE = 12  # overwrite_logits=True: no gradient buffer, so a block may hold about the logits' bytes
-AUTO_BLOCKS_OVERWRITE_BY_MODE = {"topk_kl": 16, "uld": 32}  # ...or this many, for the modes with more working memory
+AUTO_BLOCKS_OVERWRITE = 10  # overwrite_logits=True: no gradient buffer, so a block may hold about the logits' bytes
+AUTO_BLOCKS_OVERWRITE_BY_MODE = {"alm": 8, "uld": 24}  # ...or this many: ALM's blocks need less memory, ULD's more
 
 
 def auto_blocks(config: XTokenLossConfig, # the loss configuration
