@@ -5,6 +5,7 @@ student and a Llama-architecture teacher of one layer, hidden size 32. The data-
 processes that build the same trainer with `build_trainer` below (module level, so the children can import it).
 """
 import copy
+import dataclasses
 import functools
 import json
 import warnings
@@ -109,6 +110,20 @@ def test_gradient_accumulation_2x1_equals_1x2(parts, tmp_path):
     assert (a - start).abs().max() > 1e-3
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert _losses(one_microbatch)[0] == pytest.approx(_losses(two_microbatches)[0], rel=1e-6)
+
+
+def test_overwriting_the_logits_gives_the_same_step(parts, tmp_path):
+    "overwrite_logits in a real model: the lm_head reads the gradient written over its logits; HF's 1/2 loss scale applies in place."
+    config = dataclasses.replace(parts["config"], block_size=3)
+    steps = {}
+    for overwrite in (False, True):
+        trainer = build_trainer(tmp_path / str(overwrite), parts, data=parts["data"][:2], per_device_train_batch_size=1,
+                                gradient_accumulation_steps=2, loss_config=dataclasses.replace(config, overwrite_logits=overwrite))
+        trainer.train()
+        steps[overwrite] = _flat_params(trainer.model), _losses(trainer)[0]
+    assert (steps[True][0] - _flat_params(parts["student"])).abs().max() > 1e-3
+    torch.testing.assert_close(steps[True][0], steps[False][0], rtol=0, atol=1e-6)
+    assert steps[True][1] == pytest.approx(steps[False][1], rel=1e-6)
 
 
 def test_resume_from_a_checkpoint_gives_the_same_next_step_loss(parts, tmp_path):
