@@ -89,6 +89,14 @@ def make_logits(seed, batch, dtype=torch.float64, scale=2.0, teachers=1, same_vo
     return student, out
 
 
+def data_for(config, seed, dtype=torch.float64, **batch_kw):
+    "`(batch, student logits, teacher logits)` for `config`'s teachers (same-vocab logits when teacher 0 is topk_kl)."
+    n = len(config.teachers)
+    batch = make_batch(seed, teachers=n, **batch_kw)
+    student, teachers = make_logits(seed + 1, batch, dtype=dtype, teachers=n, same_vocab=config.teachers[0].mode == "topk_kl")
+    return batch, student, teachers
+
+
 def rows_of(batch, rows):
     "The flat batch restricted to `rows` (a slice or index list)."
     return {k: v[rows] for k, v in batch.items()}

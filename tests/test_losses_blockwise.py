@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from xtoken_dp import losses as L
-from losses_helpers import HIDDEN, V_S, V_T, W_S, W_T, every_config, make_batch, make_logits, rows_of, write_projections, spec
+from losses_helpers import HIDDEN, V_S, V_T, W_S, W_T, data_for, every_config, rows_of, write_projections, spec
 
 BLOCK_SIZES = (1, 2, 3, 7, "T")
 
@@ -25,13 +25,6 @@ def dense(tmp_path_factory): return write_projections(tmp_path_factory.mktemp("b
 
 configs = every_config
 NAMES = tuple(configs("p.pt"))
-
-
-def data_for(config, seed, dtype=torch.float64, **batch_kw):
-    n = len(config.teachers)
-    batch = make_batch(seed, teachers=n, **batch_kw)
-    student, teachers = make_logits(seed + 1, batch, dtype=dtype, teachers=n, same_vocab=config.teachers[0].mode == "topk_kl")
-    return batch, student, teachers
 
 
 def loss_grad_metrics(config, student, batch, teachers, normalizers=None, block_size=None):
