@@ -291,9 +291,8 @@ def peak_extra(step: Callable[[], object], # one forward + backward
     return {"before_bytes": before, "peak_extra_bytes": peak_rss() - before, "peak_reset": reset, "step_s": seconds}
 
 
-def _restorer(row, inputs):
-    "What puts an `overwrite` row's student logits back between steps, outside the timed step (a no-op for other rows)."
-    if row.partition("/")[2] != "overwrite": return lambda: None
+def _restorer(inputs):
+    "What puts an `overwrite` row's student logits back between steps, outside the timed step."
     saved = inputs["student"].detach().clone()  # an input's copy: held before the step, so not in its peak
     def restore():
         with torch.no_grad(): inputs["student"].copy_(saved)
@@ -313,7 +312,8 @@ def measure_row(row: str, # a name from `row_names`
         inputs = make_inputs(row, scale, device, seed=seed)
         loss = make_loss(row, scale, inputs, projection)
         leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        restore, overwrite = _restorer(row, inputs), row.partition("/")[2] == "overwrite"
+        overwrite = row.partition("/")[2] == "overwrite"
+        restore = _restorer(inputs) if overwrite else (lambda: None)
         def step():
             for t in leaves: t.grad = None
             # an overwrite row's gradient is the logits' own memory: `.grad` of a leaf would copy it (autograd copies
