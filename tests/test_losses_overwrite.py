@@ -133,6 +133,23 @@ def test_overwrite_logits_is_validated_and_sets_its_own_block_count(dense):
     assert L.auto_blocks(config) == L.AUTO_BLOCKS_OVERWRITE + L.AUTO_BLOCKS_OVERWRITE_BY_MODE["uld"]
     assert L.auto_blocks(config, overwrite=False) == L.AUTO_BLOCKS + L.AUTO_BLOCKS_BY_MODE["uld"]
     assert L.auto_blocks(config) < L.auto_blocks(config, overwrite=False)
+    assert L.auto_blocks(config, fused=True) == L.AUTO_BLOCKS_FUSED + L.AUTO_BLOCKS_FUSED_BY_MODE["uld"]
+
+
+def test_fused_auto_takes_the_fused_count_whatever_the_flag(monkeypatch):
+    "Above AUTO_WHOLE_BYTES the fused entry point cuts `auto_blocks(config, fused=True)` blocks, with or without the flag."
+    seen = []
+    monkeypatch.setattr(L, "_blockwise_loss", lambda source, batch, t, config, n, g: seen.append(config.block_size))
+    T, V, H = 2048, 16384, 8  # bf16 logits of 64 MiB + 32 KiB: just above AUTO_WHOLE_BYTES
+    hidden, weight = torch.zeros(1, T, H, dtype=torch.bfloat16), torch.zeros(V + 8, H, dtype=torch.bfloat16)
+    batch = {"input_ids": torch.zeros(1, T, dtype=torch.long), "token_mask": torch.ones(1, T, dtype=torch.bool),
+             "sample_mask": torch.ones(1)}
+    for overwrite in (False, True):
+        config = L.XTokenLossConfig(V, [L.TeacherLossSpec("alm", None, V)], overwrite_logits=overwrite)
+        norms = L.GlobalNormalizers(n_tok=1.0, n_chunks={0: 1.0})
+        L.xtoken_kd_loss_fused(hidden, weight, batch, {}, config=config, normalizers=norms)
+    n = L.AUTO_BLOCKS_FUSED_BY_MODE["alm"]
+    assert seen == [-(-T // n)] * 2 and n != L.AUTO_BLOCKS
 
 
 PEAK_SCRIPT = r'''

@@ -40,14 +40,15 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
            'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
-           'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS',
-           'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM',
-           'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack',
-           'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec',
-           'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL',
-           'per_chunk_losses', 'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size',
-           'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
-           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
+           'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_FUSED_BY_MODE',
+           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
+           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
+           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
+           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
+           'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses', 'teacher_weights',
+           'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss',
+           'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
+           'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1606,17 +1607,21 @@ AUTO_WHOLE_BYTES = 64 * 2**20  # block_size="auto": student logits up to this ma
 AUTO_BLOCKS = 32  # block_size="auto": about this many blocks per microbatch and teacher above AUTO_WHOLE_BYTES
 AUTO_BLOCKS_BY_MODE = {"uld": 128}  # ...or this many, for a mode whose block needs more working memory (ULD's sorts)
 AUTO_MIN_POSITIONS = 32  # block_size="auto": no block shorter than this (per-block overhead)
-AUTO_BLOCKS_OVERWRITE = 10  # overwrite_logits=True: no gradient buffer, so a block may hold about the logits' bytes
-AUTO_BLOCKS_OVERWRITE_BY_MODE = {"alm": 8, "uld": 24}  # ...or this many: ALM's blocks need less memory, ULD's more
+AUTO_BLOCKS_OVERWRITE = 8  # overwrite_logits=True: no gradient buffer, so a block may hold about the logits' bytes
+AUTO_BLOCKS_OVERWRITE_BY_MODE = {"topk_kl": 10, "uld": 24}  # ...or this many, for modes whose blocks need more memory
+AUTO_BLOCKS_FUSED = 20  # the fused entry point: no logits at all, so a block may hold most of their bytes
+AUTO_BLOCKS_FUSED_BY_MODE = {"topk_kl": 32, "alm": 24, "uld": 64}  # ...or this many
 
 
 def auto_blocks(config: XTokenLossConfig, # the loss configuration
                 overwrite: bool | None = None, # whether the gradient goes over the logits (None: `config.overwrite_logits`)
+                fused: bool = False, # the fused entry point's count (it has no logits: `overwrite` does not apply)
                ) -> int:
     """How many blocks `block_size=\"auto\"` cuts a large microbatch into: each teacher's mode asks for its count, and
     several teachers, whose terms share every block, add theirs up (so that a block's working memory stays about one term's)."""
     overwrite = config.overwrite_logits if overwrite is None else overwrite
-    blocks, by_mode = (AUTO_BLOCKS_OVERWRITE, AUTO_BLOCKS_OVERWRITE_BY_MODE) if overwrite else (AUTO_BLOCKS, AUTO_BLOCKS_BY_MODE)
+    blocks, by_mode = ((AUTO_BLOCKS_FUSED, AUTO_BLOCKS_FUSED_BY_MODE) if fused else
+                       (AUTO_BLOCKS_OVERWRITE, AUTO_BLOCKS_OVERWRITE_BY_MODE) if overwrite else (AUTO_BLOCKS, AUTO_BLOCKS_BY_MODE))
     return sum(by_mode.get(t.mode, blocks) for t in config.teachers)
 
 
@@ -2087,7 +2092,7 @@ def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden
     source = _FusedSource(hidden, lm_head_weight, bias, tp_group, grad_accum_dtype)
     B, T = hidden.shape[:2] if hidden.dim() == 3 else (0, 0)
     W = lm_head_weight.shape[0] * _tp_layout(tp_group)[1]
-    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config, overwrite=False))
+    size = resolve_block_size(config.block_size, B, T, W, lm_head_weight.element_size(), auto_blocks(config, fused=True))
     config = dataclasses.replace(config, block_size=size or max(T, 1))  # small enough to be whole: one block per sample
     return _blockwise_loss(source, batch, teacher_logits, config, normalizers, group)
 

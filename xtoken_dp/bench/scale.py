@@ -229,6 +229,7 @@ def ours_config(mode: str, # a loss mode
                 projection_path: str | os.PathLike | None, # the projection file (read by pkl, gold and hkl)
                 *, blocked: bool = True, # the default configuration; False: `block_size=None`, the unblocked path
                 overwrite: bool = False, # blocked with `overwrite_logits=True` (the gradient written over the logits)
+                fused: bool = False, # the fused entry point's blocks (`auto_blocks(config, fused=True)`)
                ) -> XTokenLossConfig:
     "The loss configuration of one row: one teacher of `mode`, otherwise the defaults."
     same = mode == "topk_kl"
@@ -237,7 +238,9 @@ def ours_config(mode: str, # a loss mode
     # blocked rows cut the sample into as many blocks as "auto" makes at the full sizes, at every size: blocks still
     # (rather than one whole pass) at the quick size, whose logits "auto" would compute whole
     config = XTokenLossConfig(scale.V_s, [spec], **({"overwrite_logits": True} if overwrite else {}))
-    blocks = losses.auto_blocks(config) if hasattr(losses, "auto_blocks") else losses.AUTO_BLOCKS
+    if not hasattr(losses, "auto_blocks"): blocks = losses.AUTO_BLOCKS
+    elif fused and hasattr(losses, "AUTO_BLOCKS_FUSED"): blocks = losses.auto_blocks(config, fused=True)
+    else: blocks = losses.auto_blocks(config)
     return replace(config, block_size=max(1, -(-scale.T_s // blocks)) if blocked else None)
 
 
@@ -265,7 +268,8 @@ def make_loss(row: str, # a name from `row_names`
     if row == "ce+kl": return lambda: kd_floor(x["student"], x["teacher"], x["targets"])
     if row in LIGER_ROWS: return _liger_loss(row, x)
     mode, _, path = row.partition("/")
-    config = ours_config(mode, scale, projection_path, blocked=path in ("blocked", "overwrite", "fused"), overwrite=path == "overwrite")
+    config = ours_config(mode, scale, projection_path, blocked=path in ("blocked", "overwrite", "fused"), overwrite=path == "overwrite",
+                         fused=path == "fused")
     norms, teacher = compute_global_normalizers(x["batch"], config), {0: x["teacher"]}
     if path == "fused":
         return lambda: losses.xtoken_kd_loss_fused(x["hidden"], x["weight"], x["batch"], teacher, config=config,
