@@ -162,6 +162,18 @@ def test_without_a_gradient_only_the_value_is_computed(dense):
     assert not plain.requires_grad and plain.item() == with_grad[0].item()
 
 
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+def test_logits_already_in_the_compute_dtype_are_left_alone(dense, dtype):
+    "Such a block is the logits' own memory, which the CE computed in place must not touch (a value pass, then the gradient)."
+    config = dataclasses.replace(configs(dense)["dynamic_loss_scaling"], block_size=2)
+    batch, student, teachers = data_for(config, 61)
+    x = student.to(dtype).requires_grad_()
+    before = x.detach().clone()
+    loss, _ = L.xtoken_kd_loss(x, batch, teachers, config=config, normalizers=L.compute_global_normalizers(batch, config))
+    loss.backward()
+    assert torch.equal(x.detach(), before) and x.grad.abs().sum() > 0
+
+
 def test_the_incoming_gradient_scales_the_stored_one(dense):
     config = configs(dense)["gold"]
     batch, student, teachers = data_for(config, 59)

@@ -1774,11 +1774,10 @@ def _block_teacher(teacher, part, blk, columns):
 
 
 def _block_parts(mb, teachers, plan, blk, z):
-    "CE and KD of one block, graph-connected to its logits `z`, with its counts and teacher terms."
+    "KD of one block, graph-connected to its logits `z`, with its teacher terms and the block's `_Microbatch` (`part`)."
     n = plan.normalizers
     part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, (blk.spans[i], blk.ranges[i]),
                                                            bool(blk.kept.get(i))) for i in plan.chunked})
-    ce_sum, correct, n_targets = _ce_terms(part)
     if plan.averaged is not None:
         mean = _mean_logits(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers])
         cols = plan.columns.get(None)
@@ -1788,7 +1787,31 @@ def _block_parts(mb, teachers, plan, blk, z):
         terms = {i: _teacher_term(part, _block_teacher(teachers[i], part, blk, plan.columns.get(i))) for i in plan.computed}
         kd = z.new_zeros(())
         for i, term in terms.items(): kd = kd + plan.weights[i].to(mb.dtype) * term.total / n.n_chunks[i]
-    return SimpleNamespace(kd=kd, ce=ce_sum / n.n_tok, ce_sum=ce_sum, correct=correct, n_targets=n_targets, terms=terms)
+    return SimpleNamespace(kd=kd, part=part, terms=terms)
+
+# %% ../nbs/08_losses.ipynb #9a65acf5
+def _block_ce(z, # [1, P, W] a block's logits in the compute dtype (overwritten when `scratch`)
+              part, # the block's `_Microbatch`: `targets` and `next_mask` (the CE positions)
+              scale=None, # ∂loss/∂ΣCE (None: the value only)
+              grad=None, # [1, P, W] the KD gradient, to which `scale·∂ΣCE/∂z` is added in place (None: none)
+              scratch=False, # whether `z` may be overwritten
+             ) -> tuple:
+    "`(ΣCE, correct predictions, CE targets, gradient or None)` of one block, outside autograd."
+    mask, targets, width = part.next_mask, part.targets, z.shape[-1]
+    picked = targets.clamp(0, width - 1).unsqueeze(-1)
+    best, top1 = z.max(-1)  # one pass: the shift and the prediction
+    target_logit = z.gather(-1, picked).squeeze(-1)
+    shift = torch.where(best.isinf(), 0., best).unsqueeze(-1)  # as logsumexp: a row of infinities is not shifted by them
+    e = (z.sub_(shift) if scratch else z - shift).exp_()
+    total = e.sum(-1)
+    logprob = torch.where(mask, target_logit - shift.squeeze(-1) - total.log(), 0.)
+    counts = ((top1 == targets) & mask).sum(), mask.sum()
+    if scale is None: return -logprob.sum(), *counts, None
+    row = torch.where(mask, scale / total, 0.).unsqueeze(-1)  # scale·softmax on the CE rows, 0 elsewhere
+    if grad is None: grad = e.mul_(row)
+    else: grad = (grad if grad.is_contiguous() else grad.contiguous()).addcmul_(e, row)
+    grad.scatter_add_(-1, picked, mask.to(grad.dtype).unsqueeze(-1).mul_(-scale))  # −scale·onehot, in grad's dtype
+    return -logprob.sum(), *counts, grad
 
 # %% ../nbs/08_losses.ipynb #6659a2af
 def _sum_of(values, dtype):
@@ -1847,23 +1870,29 @@ class _BlockSums:
         return kd.to(dtype), (self.ce_sum / n.n_tok).to(dtype)
 
 
+def _run_block(mb, teachers, plan, source, factors, blk, sums):
+    "Add one block's parts to `sums`; with `factors` (KD, CE) its logit gradient goes to `source`."
+    local = source.block(blk)
+    z = _gather_columns(local, source.tp_group, source.tp_size).to(mb.dtype).detach()
+    scratch = z.data_ptr() != local.data_ptr() or source.scratch(factors is not None)  # a copy, or rows to be overwritten
+    grad = None
+    with torch.enable_grad() if factors is not None else torch.no_grad():
+        z.requires_grad_(factors is not None)
+        parts = _block_parts(mb, teachers, plan, blk, z)
+        if factors is not None and parts.kd.requires_grad:
+            (grad,) = torch.autograd.grad(factors[0] * parts.kd, z, allow_unused=True)
+    scale = None if factors is None else factors[1] / plan.normalizers.n_tok
+    parts.ce_sum, parts.correct, parts.n_targets, grad = _block_ce(z.detach(), parts.part, scale, grad, scratch)
+    sums.add(parts)
+    if factors is not None:  # stored with autograd off: a product with the lm_head must not keep this block alive
+        width = local.shape[-1]
+        source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
+
+
 def _run_blocks(mb, teachers, plan, source, factors):
-    "One pass over the blocks, summing their parts; with `factors` (KD, CE) each block's logit gradient goes to `source`."
+    "One pass over the blocks, summing their parts; a block's tensors are freed before the next one starts."
     sums = _BlockSums([None] if plan.averaged is not None else plan.computed)
-    for blk in plan.blocks:
-        local = source.block(blk)
-        z = _gather_columns(local, source.tp_group, source.tp_size).to(mb.dtype).detach()
-        with torch.enable_grad() if factors is not None else torch.no_grad():
-            z.requires_grad_(factors is not None)
-            parts = _block_parts(mb, teachers, plan, blk, z)
-            if factors is not None:
-                (grad,) = torch.autograd.grad(factors[0] * parts.kd + factors[1] * parts.ce, z, allow_unused=True)
-        if factors is not None:  # stored with autograd off: a product with the lm_head must not keep this block alive
-            if grad is None: grad = torch.zeros_like(z)
-            width = local.shape[-1]
-            source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
-            del grad  # not alive through the next block's forward pass
-        sums.add(parts)
+    for blk in plan.blocks: _run_block(mb, teachers, plan, source, factors, blk, sums)
     return sums.close()
 
 # %% ../nbs/08_losses.ipynb #fbc66148
@@ -1915,6 +1944,7 @@ class _LogitsSource:
         self.overwrite = overwrite
 
     def block(self, blk): return self.logits[blk.b:blk.b + 1, blk.p0:blk.p1]
+    def scratch(self, grad_pass): return self.overwrite and grad_pass  # the gradient pass overwrites a block's rows
 
     def start(self, blocks):
         if not self.overwrite:
@@ -2028,6 +2058,8 @@ class _FusedSource:
     def block(self, blk):
         h = self.hidden[blk.b, blk.p0:blk.p1]
         return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[None]
+
+    def scratch(self, grad_pass): return True  # a block's logits are made for it and read by nothing else
 
     def start(self, blocks):
         accumulate = self.accum_dtype
