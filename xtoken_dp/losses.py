@@ -1378,6 +1378,7 @@ def _on_kept(term_fn, mb, teacher, chunks, kept):
     kept = kept.to(mb.device)
     part, view = _Microbatch.__new__(_Microbatch), _Teacher.__new__(_Teacher)
     z = _rows(mb.z, kept.s_index)
+    if getattr(mb, "kept_inputs", None) is not None: mb.kept_inputs.append((kept.s_index, z))  # a block's: see _kd_gradient
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
                          dtype=mb.dtype, sample_on=mb.sample_on, _chunks={teacher.i: kept.chunks})
     columns = teacher.fixed_columns  # a blockwise pass fixed them; else pkl votes them now, over every row
@@ -1755,7 +1756,8 @@ def _block_microbatch(mb, blk, z, chunks):
     part, rows = _Microbatch.__new__(_Microbatch), lambda x: x[blk.b:blk.b + 1, blk.p0:blk.p1]
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=1, T=blk.p1 - blk.p0, W=mb.W, device=mb.device,
                          dtype=mb.dtype, ids=rows(mb.ids), token_mask=rows(mb.token_mask), next_mask=rows(mb.next_mask),
-                         sample_on=mb.sample_on[blk.b:blk.b + 1], targets=rows(mb.targets), _chunks=chunks)
+                         sample_on=mb.sample_on[blk.b:blk.b + 1], targets=rows(mb.targets), _chunks=chunks,
+                         kept_inputs=[])  # (index, rows) of the terms computed on kept rows
     return part
 
 
@@ -1795,6 +1797,7 @@ def _block_ce(z, # [1, P, W] a block's logits in the compute dtype (overwritten 
               scale=None, # ∂loss/∂ΣCE (None: the value only)
               grad=None, # [1, P, W] the KD gradient, to which `scale·∂ΣCE/∂z` is added in place (None: none)
               scratch=False, # whether `z` may be overwritten
+              rows=(), # `(index [1, P'], ∂KD/∂z[index])` pairs, added after the CE gradient (with `grad` None)
              ) -> tuple:
     "`(ΣCE, correct predictions, CE targets, gradient or None)` of one block, outside autograd."
     mask, targets, width = part.next_mask, part.targets, z.shape[-1]
@@ -1811,6 +1814,7 @@ def _block_ce(z, # [1, P, W] a block's logits in the compute dtype (overwritten 
     if grad is None: grad = e.mul_(row)
     else: grad = (grad if grad.is_contiguous() else grad.contiguous()).addcmul_(e, row)
     grad.scatter_add_(-1, picked, mask.to(grad.dtype).unsqueeze(-1).mul_(-scale))  # −scale·onehot, in grad's dtype
+    for index, g in rows: grad[0].index_add_(0, index[0], g[0])
     return -logprob.sum(), *counts, grad
 
 # %% ../nbs/08_losses.ipynb #6659a2af
@@ -1879,14 +1883,25 @@ def _run_block(mb, teachers, plan, source, factors, blk, sums):
     with torch.enable_grad() if factors is not None else torch.no_grad():
         z.requires_grad_(factors is not None)
         parts = _block_parts(mb, teachers, plan, blk, z)
-        if factors is not None and parts.kd.requires_grad:
-            (grad,) = torch.autograd.grad(factors[0] * parts.kd, z, allow_unused=True)
+        if factors is not None and parts.kd.requires_grad: grad, rows = _kd_gradient(factors[0] * parts.kd, z, parts.part, plan, blk)
+        else: rows = []
     scale = None if factors is None else factors[1] / plan.normalizers.n_tok
-    parts.ce_sum, parts.correct, parts.n_targets, grad = _block_ce(z.detach(), parts.part, scale, grad, scratch)
+    parts.ce_sum, parts.correct, parts.n_targets, grad = _block_ce(z.detach(), parts.part, scale, grad, scratch, rows)
     sums.add(parts)
     if factors is not None:  # stored with autograd off: a product with the lm_head must not keep this block alive
         width = local.shape[-1]
         source.store(blk, grad[..., source.tp_rank * width:(source.tp_rank + 1) * width])
+
+
+def _kd_gradient(kd, z, part, plan, blk):
+    """`(∂KD/∂z or None, [(index, ∂KD/∂z[index])])`. When every term reads the block through its kept rows, only their
+    gradients: the CE's gradient takes them in place, where autograd would first write a zero gradient of the block's size."""
+    kept = part.kept_inputs
+    if plan.averaged is None and len(kept) == len(plan.computed) and all(blk.kept.get(i) for i in plan.computed):
+        grads = torch.autograd.grad(kd, [rows for _, rows in kept], allow_unused=True)
+        return None, [(index, g) for (index, _), g in zip(kept, grads) if g is not None]
+    (grad,) = torch.autograd.grad(kd, z, allow_unused=True)
+    return grad, []
 
 
 def _run_blocks(mb, teachers, plan, source, factors):
