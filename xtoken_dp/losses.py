@@ -1879,12 +1879,11 @@ def _run_block(mb, teachers, plan, source, factors, blk, sums):
     local = source.block(blk)
     z = _gather_columns(local, source.tp_group, source.tp_size).to(mb.dtype).detach()
     scratch = z.data_ptr() != local.data_ptr() or source.scratch(factors is not None)  # a copy, or rows to be overwritten
-    grad = None
+    grad, rows = None, []  # no KD gradient: the CE's alone
     with torch.enable_grad() if factors is not None else torch.no_grad():
         z.requires_grad_(factors is not None)
         parts = _block_parts(mb, teachers, plan, blk, z)
         if factors is not None and parts.kd.requires_grad: grad, rows = _kd_gradient(factors[0] * parts.kd, z, parts.part, plan, blk)
-        else: rows = []
     scale = None if factors is None else factors[1] / plan.normalizers.n_tok
     parts.ce_sum, parts.correct, parts.n_targets, grad = _block_ce(z.detach(), parts.part, scale, grad, scratch, rows)
     sums.add(parts)
