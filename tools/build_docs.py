@@ -25,7 +25,9 @@ def process_notebooks(file_glob=""):
     os.chdir(cfg.config_path)
     nbdev.doclinks._build_modidx()
     nbdev_sidebar.__wrapped__(path=cfg.nbs_path)
-    proc_nbs(cfg.nbs_path, n_workers=0, file_glob=file_glob)
+    main = sys.modules["__main__"]
+    proc_nbs(cfg.nbs_path, n_workers=len(os.sched_getaffinity(0)), file_glob=file_glob)
+    sys.modules["__main__"] = main  # the IPython shell that ran the `show_doc` cells replaced it; the render workers look it up
     return cfg.config_path / "_proc", cfg
 
 
@@ -145,21 +147,39 @@ a[href*="/blob/"] { float: right; font-size: smaller; }
 """
 
 
-def render_site(proc, out, cfg):
-    "Render every processed notebook of `proc` into `out/` and return the page names."
+def _trusted_html(element):
+    "nbconvert's `clean_html` without the sanitizer: these pages render this project's own notebooks, and bleach's pass over every cell was a third of the build."
+    return element.decode() if isinstance(element, bytes) else str(element)
+
+
+_exporter = []
+
+
+def render_page(nb_path, doc_url):
+    "`(page name, title, description, body)` of one processed notebook."
     import nbformat
     from nbconvert import HTMLExporter
+    if not _exporter: _exporter.append(HTMLExporter(template_name="basic", filters={"clean_html": _trusted_html}))
+    nb = nbformat.read(nb_path, as_version=4)
+    fm = prepare(nb)
+    body, _ = _exporter[0].from_notebook_node(nb)
+    body = _local_links(_anchor_ids(body), doc_url)
+    # the notebook's own `# Title` duplicates the page title
+    body = re.sub(r"<h1[^>]*>.*?</h1>", "", body, count=1, flags=re.S)
+    return page_name(nb_path), fm.get("title") or nb_path.stem, fm.get("description", ""), body
+
+
+def render_site(proc, out, cfg, workers=None):
+    "Render every processed notebook of `proc` into `out/` (over `workers` processes, one per core by default) and return the page names."
+    from concurrent.futures import ProcessPoolExecutor
     from pygments.formatters import HtmlFormatter
-    exporter = HTMLExporter(template_name="basic")
     nbs = sorted(proc.glob("*.ipynb"), key=lambda p: (p.name != "index.ipynb", p.name))
-    pages = []
-    for nb_path in nbs:
-        nb = nbformat.read(nb_path, as_version=4)
-        fm = prepare(nb)
-        title = fm.get("title") or nb_path.stem
-        pages.append((page_name(nb_path), title, fm.get("description", ""), nb))
     css = CSS + HtmlFormatter().get_style_defs(".highlight")
     doc_url = cfg.doc_host.rstrip("/") + cfg.doc_baseurl.rstrip("/") if cfg.doc_host else ""
+    workers = max(1, min(len(nbs), workers or len(os.sched_getaffinity(0))))
+    if workers == 1: pages = [render_page(p, doc_url) for p in nbs]
+    else:
+        with ProcessPoolExecutor(workers) as pool: pages = list(pool.map(render_page, nbs, [doc_url] * len(nbs)))
     out.mkdir(parents=True, exist_ok=True)
 
     def nav(current):
@@ -173,12 +193,7 @@ def render_site(proc, out, cfg):
                            tagline=html.escape(cfg.description or ""), nav=nav(name), description=desc, body=body)
         (out / name).write_text(text, encoding="utf-8")
 
-    for name, title, description, nb in pages:
-        body, _ = exporter.from_notebook_node(nb)
-        body = _local_links(_anchor_ids(body), doc_url)
-        # the notebook's own `# Title` duplicates the page title
-        body = re.sub(r"<h1[^>]*>.*?</h1>", "", body, count=1, flags=re.S)
-        write(name, title, description, body)
+    for name, title, description, body in pages: write(name, title, description, body)
     write("api.html", "API reference", "Every exported name, by module.", api_reference(doc_url, out))
     return [p[0] for p in pages] + ["api.html"]
 
