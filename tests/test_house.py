@@ -5,6 +5,7 @@
 * No module imports another module's private (`_name`) names; what another module needs is public where it lives.
 * No exported function or method is longer than 60 lines.
 * `help(xtoken_dp)` and `nbs/llms.txt` list every public module with its purpose.
+* A notebook's imports have cells of their own (the docs build runs import cells alone).
 * Every module notebook opens with its use: the first code cell after the title that is not hidden and not only
   imports is a usage example (no definition) with its output committed.
 """
@@ -154,3 +155,23 @@ def test_every_module_is_listed_with_its_purpose():
     missing_doc = [m for m in modules if f"- `{m}`: " not in (xtoken_dp.__doc__ or "")]
     missing_llms = [m for m in modules if f"[{m}](" not in llms and f"- `{m}`: " not in llms]
     assert not missing_doc and not missing_llms, f"help(xtoken_dp) lacks {missing_doc}; llms.txt lacks {missing_llms}"
+
+
+def _mixes_imports_and_code(source):
+    "Whether a cell's top level holds an import and any other statement (magics and shell lines aside)."
+    body = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    kinds = {isinstance(node, (ast.Import, ast.ImportFrom)) for node in ast.parse(body).body}
+    return kinds == {True, False}
+
+
+def test_imports_have_cells_of_their_own():
+    "The docs build runs a notebook's import cells alone, so an import never shares a cell with other code (exported cells aside: the module runs them whole)."
+    assert _mixes_imports_and_code("import os\nx = 1") and _mixes_imports_and_code("from a import b\ndef f(): pass")
+    assert not _mixes_imports_and_code("import os\nfrom a import b") and not _mixes_imports_and_code("x = 1\n%time y = 2")
+    mixed = []
+    for nb in sorted(NBS.glob("*.ipynb")):
+        for cell in _cells(nb):
+            source = _source(cell)
+            if cell["cell_type"] != "code" or re.search(r"^#\|\s*(export|exports|exporti)\b", source, re.M): continue
+            if _mixes_imports_and_code(source): mixed.append(f"{nb.name} cell {cell.get('id')}")
+    assert mixed == [], mixed
