@@ -27,7 +27,7 @@ def process_notebooks(file_glob=""):
     nbdev_sidebar.__wrapped__(path=cfg.nbs_path)
     main = sys.modules["__main__"]
     proc_nbs(cfg.nbs_path, n_workers=len(os.sched_getaffinity(0)), file_glob=file_glob)
-    sys.modules["__main__"] = main  # the IPython shell that ran the `show_doc` cells replaced it; the render workers look it up
+    sys.modules["__main__"] = main  # IPython replaces it where nbdev runs `show_doc` cells in this process; render workers look it up
     return cfg.config_path / "_proc", cfg
 
 
