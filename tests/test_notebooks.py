@@ -4,7 +4,7 @@ Each notebook runs in a process of its own, as `nbdev-test` does: a notebook's `
 installed classes to functions defined in that notebook, which later notebooks in the same process would then call
 (and fail to pickle by reference). The processes are forked from one that has already imported what every notebook
 imports (torch, numpy, tensordict, matplotlib, transformers, nbdev), which saves those seconds per notebook; the
-parent runs no tensor work, so no thread pool is forked mid-flight. Set `XTOKEN_DP_NOTEBOOK_FORK=0` to start each
+parent only imports (no tensor work runs there before a fork). Set `XTOKEN_DP_NOTEBOOK_FORK=0` to start each
 notebook in a new interpreter instead.
 
 Cells flagged with a `tst_flags` entry of `pyproject.toml` (`notest`, `slow`) are skipped. To run the slow cells
