@@ -1,8 +1,8 @@
 """Acceptance tests of the distillation demo (ipc_distill.md B9): DM1-DM11.
 
 One quick-preset run (every arm, the default two data-parallel processes) is shared by the tests (session fixture);
-DM5's determinism pair and DM10's `--via-ipc` and `--dp 1` runs use a shortened quick configuration of their own. Tokenizers, the quick teacher and the projection are cached under
-`$XTOKEN_DP_CACHE/distill`, the folder the notebook uses, so a test session builds them at most once per machine.
+DM5's determinism pair and DM10's `--via-ipc` and `--dp 1` runs use a shortened quick configuration of their own.
+Tokenizers, the quick teacher and the projection are cached under `$XTOKEN_DP_CACHE/distill`, the folder the notebook uses, so a test session builds them at most once per machine.
 
 DM12 has two parts: the committed default run (`nbs/demo_results.md`, shown in the docs) is checked against the B8
 bar on every run of the suite, and a fresh default run (several minutes) runs with `XTOKEN_DP_TEST_FLAGS=slow`.
@@ -452,16 +452,15 @@ def test_dm9_held_out_blocks_follow_the_rule(tmp_path):
 # DM10: data parallelism and IPC -----------------------------------------------------------------------------------
 
 def test_dm10_dp1_matches_dp2(short_run, tmp_path):
-    "The shortened quick configuration in one process (dp 1) and in two gloo processes (dp 2, the default) at the same global batch."
-    reference = short_run
-    assert reference.config.dp == 2
+    "The shortened quick run in one process (dp 1) and in two gloo processes (dp 2, the default) at the same global batch."
+    assert short_run.config.dp == 2
     single = _quick(tmp_path / "dp1", dp=1, **SHORT)
-    for arm, values in reference.final_bpb.items():
+    for arm, values in short_run.final_bpb.items():
         assert abs(values[0] - single.final_bpb[arm][0]) < 1e-3, (arm, values, single.final_bpb[arm])
     # The same updates up to float reassociation: the global train CE and KD of the first steps agree to ~1e-6
     # (measured: at most 1.4e-6 over steps 0-9 with CE near 7), far below anything a wrong shard, weight or normaliser
     # would give.
-    for key, run in reference.runs.items():
+    for key, run in short_run.runs.items():
         other = single.runs[key]
         for name in ("train_ce", "train_kd"):
             first, first_single = getattr(run, name)[:10], getattr(other, name)[:10]
@@ -471,8 +470,8 @@ def test_dm10_dp1_matches_dp2(short_run, tmp_path):
     # peaks near step 50, where one fresh-cache run differed by 0.0035 BPB while its final BPB agreed to 5e-5), so the
     # curve is held to 1e-2, the final BPB to the 1e-3 above.
     curves = lambda run: [p["eval_bpb"] for a in run.results["arms"].values() for p in a["seeds"]["0"]["curve"]]
-    assert len(curves(reference)) == len(curves(single)) > len(reference.final_bpb)
-    assert max(abs(a - b) for a, b in zip(curves(reference), curves(single))) < 1e-2
+    assert len(curves(short_run)) == len(curves(single)) > len(short_run.final_bpb)
+    assert max(abs(a - b) for a, b in zip(curves(short_run), curves(single))) < 1e-2
 
 
 def test_dm10_via_ipc_is_identical(short_run, tmp_path):

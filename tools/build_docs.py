@@ -9,7 +9,7 @@ data URIs, no script or stylesheet from the network. People who have Quarto can 
 
     python tools/build_docs.py [--out _docs]
 """
-import argparse, html, json, os, re, shutil, sys
+import argparse, functools, html, json, os, re, shutil, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,31 +152,33 @@ def _trusted_html(element):
     return element.decode() if isinstance(element, bytes) else str(element)
 
 
-_exporter = []
+@functools.cache
+def _exporter():
+    "One HTML exporter per process."
+    from nbconvert import HTMLExporter
+    return HTMLExporter(template_name="basic", filters={"clean_html": _trusted_html})
 
 
 def render_page(nb_path, doc_url):
     "`(page name, title, description, body)` of one processed notebook."
     import nbformat
-    from nbconvert import HTMLExporter
-    if not _exporter: _exporter.append(HTMLExporter(template_name="basic", filters={"clean_html": _trusted_html}))
     nb = nbformat.read(nb_path, as_version=4)
     fm = prepare(nb)
-    body, _ = _exporter[0].from_notebook_node(nb)
+    body, _ = _exporter().from_notebook_node(nb)
     body = _local_links(_anchor_ids(body), doc_url)
     # the notebook's own `# Title` duplicates the page title
     body = re.sub(r"<h1[^>]*>.*?</h1>", "", body, count=1, flags=re.S)
     return page_name(nb_path), fm.get("title") or nb_path.stem, fm.get("description", ""), body
 
 
-def render_site(proc, out, cfg, workers=None):
-    "Render every processed notebook of `proc` into `out/` (over `workers` processes, one per core by default) and return the page names."
+def render_site(proc, out, cfg):
+    "Render every processed notebook of `proc` into `out/`, one process per core, and return the page names."
     from concurrent.futures import ProcessPoolExecutor
     from pygments.formatters import HtmlFormatter
     nbs = sorted(proc.glob("*.ipynb"), key=lambda p: (p.name != "index.ipynb", p.name))
     css = CSS + HtmlFormatter().get_style_defs(".highlight")
     doc_url = cfg.doc_host.rstrip("/") + cfg.doc_baseurl.rstrip("/") if cfg.doc_host else ""
-    workers = max(1, min(len(nbs), workers or len(os.sched_getaffinity(0))))
+    workers = max(1, min(len(nbs), len(os.sched_getaffinity(0))))
     if workers == 1: pages = [render_page(p, doc_url) for p in nbs]
     else:
         with ProcessPoolExecutor(workers) as pool: pages = list(pool.map(render_page, nbs, [doc_url] * len(nbs)))
