@@ -360,3 +360,38 @@ def test_a_blockwise_pass_waits_for_the_device_no_more_with_more_blocks(dense, n
         counts[size] = (syncs, blocks[0])
     assert counts[3][1] >= 3 * counts[12][1], counts
     assert counts[3][0] == counts[12][0], counts
+
+
+def distinct_bf16(g, shape):
+    "Values exact in bf16 and distinct within each row (n/16 for distinct integers n), so no sort meets a tie."
+    *lead, V = shape
+    n = torch.stack([torch.randperm(256, generator=g)[:V] for _ in range(math.prod(lead))])
+    return ((n.float() - 128) / 16).reshape(*lead, V)
+
+
+@pytest.mark.parametrize("k, kappas", [(9, (1.0, 1.0)), (3, (2.0, 0.5)), (5, (0.7, 1.0))])
+def test_uld_sorts_16_bit_logits_as_their_probabilities(k, kappas):
+    "ULD's sort of 16-bit logits (softmax keeps their order) gives the sort of their probabilities: values and gradient."
+    g = torch.Generator().manual_seed(k)
+    a, b, w = distinct_bf16(g, (3, 4, 11)).requires_grad_(), distinct_bf16(g, (3, 4, 9)), torch.randn(3, 4, generator=g)
+    ours = L._SortedSoftmaxL1.apply(a, b, *kappas, k, torch.bfloat16, torch.bfloat16)
+    ref = L._sorted_l1(torch.softmax(a / kappas[0], -1), torch.softmax(b / kappas[1], -1), k)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # fp32: the probabilities round in another order
+    (grad,), (grad_ref,) = (torch.autograd.grad((x * w).sum(), a) for x in (ours, ref))
+    assert grad.abs().max() > 0
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["blocks", "overwrite"])
+def test_uld_of_16_bit_logits_takes_the_16_bit_sort_and_keeps_its_results(dense, overwrite, monkeypatch):
+    "bf16 student and teacher logits: the loss through the 16-bit sort equals the probability sort's, whole and in blocks."
+    config = dataclasses.replace(configs(dense)["uld"], uld_student_temperature=1.5, overwrite_logits=overwrite)
+    batch, student, teachers = data_for(config, 41)
+    g = torch.Generator().manual_seed(42)
+    student = distinct_bf16(g, student.shape).bfloat16()
+    teachers = {i: distinct_bf16(g, t.shape).bfloat16() for i, t in teachers.items()}
+    ref = loss_grad_metrics(config, student, batch, teachers, block_size=None if not overwrite else 3)
+    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
+    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+    for size in ((None, 3) if not overwrite else (3,)):
+        assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), ref, 2 ** -7, f"block_size={size}")

@@ -39,15 +39,15 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS',
-           'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_FUSED_BY_MODE',
-           'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first',
-           'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group',
-           'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch',
-           'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers',
-           'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses', 'teacher_weights',
-           'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss', 'XTokenDistillationLoss',
-           'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
+           'SIXTEEN_BIT_SORT_DEVICES', 'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE',
+           'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED',
+           'AUTO_BLOCKS_FUSED_BY_MODE', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets',
+           'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns',
+           'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum',
+           'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig',
+           'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses',
+           'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss',
+           'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
            'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
@@ -840,6 +840,7 @@ class _Microbatch:
         self.B, self.T, self.W = student_logits.shape
         if width is not None: self.W = width  # a vocabulary-parallel shard stands for the full width
         self.device, self.dtype = student_logits.device, _compute_dtype(student_logits)
+        self.source_dtype = student_logits.dtype  # the logits' own dtype: 16-bit values stay exact in the compute dtype
         if self.W < config.student_vocab_size:
             raise ValueError(f"student_logits: expected a logit width W_s >= {config.student_vocab_size} (student_vocab_size, "
                              f"the student vocabulary), got {self.W}")
@@ -884,6 +885,7 @@ class _Teacher:
     def __init__(self, mb, i, raw):
         self.mb, self.i, self.spec, self.raw = mb, i, mb.config.teachers[i], raw
         self.is_record = _is_topk_record(raw)
+        self.source_dtype = None if self.is_record else getattr(raw, "dtype", None)  # None: a record's rows are computed
         if not self.is_record and (not isinstance(raw, Tensor) or raw.dim() != 3 or not raw.is_floating_point()):
             raise ValueError(f"teacher {i}: logits must be a floating [B, T_t, W_t] tensor or a top-k record, got "
                              f"{getattr(raw, 'shape', type(raw).__name__)}")
@@ -1309,13 +1311,56 @@ def _alm_term(mb, teacher, chunks):
     return _term((tau * D).to(mb.dtype), chunks.valid, alm_gap=gap)
 
 # %% ../nbs/08_losses.ipynb #e4518012
+SIXTEEN_BIT_SORT_DEVICES = ("cuda",)  # where ULD sorts 16-bit logits themselves (on CPU numpy sorts the probabilities faster)
+
+
+def _sixteen_bit_sources(mb, teacher, first_s):
+    "Both sides' 16-bit float dtypes when their logits came in one and the device sorts them (else None)."
+    dtypes = getattr(mb, "source_dtype", None), getattr(teacher, "source_dtype", None)
+    sixteen = first_s.device.type in SIXTEEN_BIT_SORT_DEVICES and all(d in (torch.bfloat16, torch.float16) for d in dtypes)
+    return dtypes if sixteen else None
+
+
+def _sorted_probs(sorted_logits, kappa, k, dtype):
+    "The first `k` of `softmax(sorted_logits/κ)` in `dtype`: logits sorted in descending order give sorted probabilities."
+    x = sorted_logits if kappa == 1 else sorted_logits.to(dtype) / kappa
+    return torch.softmax(x, -1, dtype=dtype)[:, :k]
+
+
+class _SortedSoftmaxL1(torch.autograd.Function):
+    """Per row, `Σ_{j<k} |sort↓(softmax(a/κ_a))_j − sort↓(softmax(b/κ_b))_j|` for logits whose values are exact in a
+    16-bit float type (`a_dtype`, `b_dtype`): softmax keeps the logits' order, so it sorts them as 16-bit keys (half
+    the radix passes of fp32 probabilities) and takes the softmax of the sorted rows. The gradient goes to `a`, in
+    closed form: `∂/∂a_j = p_j·(s_j − Σ_r p_r s_r)/κ_a`, `s_j` the sign at `j`'s rank (0 from rank `k` on)."""
+    @staticmethod
+    def forward(ctx, a, b, kappa_a, kappa_b, k, a_dtype, b_dtype):
+        shape, rows_a, rows_b = a.shape[:-1], a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        sorted_a, index = rows_a.to(a_dtype).sort(-1, descending=True)
+        p_a = _sorted_probs(sorted_a, kappa_a, k, a.dtype)
+        del sorted_a
+        diff = p_a - _sorted_probs(rows_b.to(b_dtype).sort(-1, descending=True).values, kappa_b, k, a.dtype)
+        ctx.save_for_backward(rows_a, index[:, :k], p_a.mul_(diff.sign()))  # p_r·s_r by rank
+        ctx.kappa, ctx.a_shape = kappa_a, a.shape
+        return diff.abs_().sum(-1).reshape(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        rows_a, index, signed = ctx.saved_tensors
+        g = grad.reshape(-1, 1) / ctx.kappa
+        out = torch.softmax(_tempered(rows_a, ctx.kappa), -1).mul_(-signed.sum(-1, keepdim=True) * g)  # −p_j·Σ p_r s_r
+        return out.scatter_add_(-1, index, signed.mul_(g)).reshape(ctx.a_shape), None, None, None, None, None, None
+
+
 def _uld_term(mb, teacher, chunks):
     cfg, spec, C = mb.config, teacher.spec, chunks.max_chunks
     first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C, validate=False)[0]
     first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C, validate=False)[0]
-    k = min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size)
-    uld = _sorted_l1(torch.softmax(_tempered(first_s, cfg.uld_student_temperature), -1),
-                     torch.softmax(_tempered(first_t, cfg.uld_teacher_temperature), -1), int(k))
+    k = int(min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size))
+    kappa_s, kappa_t = cfg.uld_student_temperature, cfg.uld_teacher_temperature
+    dtypes = _sixteen_bit_sources(mb, teacher, first_s)
+    if dtypes: uld = _SortedSoftmaxL1.apply(first_s, first_t, kappa_s, kappa_t, k, *dtypes)
+    else: uld = _sorted_l1(torch.softmax(_tempered(first_s, kappa_s), -1), torch.softmax(_tempered(first_t, kappa_t), -1), k)
     return _term(uld, chunks.valid)
 
 # %% ../nbs/08_losses.ipynb #b7b5d629
@@ -1380,11 +1425,13 @@ def _on_kept(term_fn, mb, teacher, chunks, kept):
     z = _rows(mb.z, kept.s_index)
     if getattr(mb, "kept_inputs", None) is not None: mb.kept_inputs.append((kept.s_index, z))  # a block's: see _kd_gradient
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
-                         dtype=mb.dtype, sample_on=mb.sample_on, _chunks={teacher.i: kept.chunks})
+                         dtype=mb.dtype, source_dtype=mb.source_dtype, sample_on=mb.sample_on,
+                         _chunks={teacher.i: kept.chunks})
     columns = teacher.fixed_columns  # a blockwise pass fixed them; else pkl votes them now, over every row
     if columns is None and teacher.spec.mode == "pkl": columns = _pkl_columns(mb, teacher, chunks, _pkl_projection(mb, teacher.spec).shape[1])
     y = _rows(teacher.logits, kept.t_index).to(mb.dtype)  # width-checked by the term, with its own message
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_record=teacher.is_record, T=y.shape[1],
+                         source_dtype=teacher.source_dtype,
                          W=teacher.W, logits=y, fixed_columns=columns)
     term = term_fn(part, view, kept.chunks)
     per_unit = term.per_unit.new_zeros(chunks.valid.shape).scatter(1, kept.chunk_of, term.per_unit)
@@ -1755,7 +1802,8 @@ def _block_microbatch(mb, blk, z, chunks):
     "The student side of one block: a one-sample `_Microbatch` holding the block's logits `z`."
     part, rows = _Microbatch.__new__(_Microbatch), lambda x: x[blk.b:blk.b + 1, blk.p0:blk.p1]
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=1, T=blk.p1 - blk.p0, W=mb.W, device=mb.device,
-                         dtype=mb.dtype, ids=rows(mb.ids), token_mask=rows(mb.token_mask), next_mask=rows(mb.next_mask),
+                         dtype=mb.dtype, source_dtype=mb.source_dtype, ids=rows(mb.ids), token_mask=rows(mb.token_mask),
+                         next_mask=rows(mb.next_mask),
                          sample_on=mb.sample_on[blk.b:blk.b + 1], targets=rows(mb.targets), _chunks=chunks,
                          kept_inputs=[])  # (index, rows) of the terms computed on kept rows
     return part
@@ -1769,6 +1817,7 @@ def _block_teacher(teacher, part, blk, columns):
     raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
     kept = blk.kept.get(teacher.i)  # kept rows: converted to the compute dtype once picked, not the whole block first
     view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
+                         source_dtype=teacher.source_dtype,
                          logits=teacher.rows(blk.b, q0, q1, convert=not kept), next_mask_and_targets=(rows(mask), rows(targets)),
                          fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=kept,
                          alm_checked=True)  # the plan checked them
