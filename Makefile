@@ -59,7 +59,7 @@ bert-assets: $(STAMP)
 	  || echo "WARNING: bert_uncased not fetched: tests marked requires_bert will skip"
 
 test: $(STAMP) sync-check browser bert-assets
-	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider
+	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider --durations=25
 
 # The default preset, cached tokenizers/teacher/projection reused from demo_out/cache; the padding-tax report of the
 # codec is `$(PY) -m xtoken_dp.cli padding-tax`.
