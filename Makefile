@@ -58,8 +58,9 @@ bert-assets: $(STAMP)
 	@$(PY) -m xtoken_dp.cli fetch-tokenizers bert_uncased >/dev/null \
 	  || echo "WARNING: bert_uncased not fetched: tests marked requires_bert will skip"
 
+# Two pytest processes side by side, one per core (tools/run_tests.py); XTOKEN_DP_TEST_JOBS=1 runs a single one.
 test: $(STAMP) sync-check browser bert-assets
-	timeout --foreground $(TEST_TIMEOUT) $(PY) -m pytest tests/ -q -p no:cacheprovider --durations=25
+	timeout --foreground $(TEST_TIMEOUT) $(PY) tools/run_tests.py --durations=25
 
 # The default preset, cached tokenizers/teacher/projection reused from demo_out/cache; the padding-tax report of the
 # codec is `$(PY) -m xtoken_dp.cli padding-tax`.

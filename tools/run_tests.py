@@ -1,0 +1,77 @@
+"""Run the test suite as two pytest processes side by side, one per core of a 2-core machine.
+
+Most tests keep one core busy (tokenizers, Python-heavy alignment, notebook kernels), so two processes finish sooner
+than one. The notebooks, the docs build (which renders them) and the demo's tests (which share its cache with the demo
+notebooks) run in one process, every other test file in the other; on this project's 2-core machines the two halves
+take about the same time. Each process has its own pytest temporary folder; they share the project's caches, whose
+entries are written under a temporary name and renamed into place.
+
+Each half's output goes to a log file that is printed whole once both have finished (a line every minute says how
+far each has got). The exit status is the first non-zero one of the two halves.
+
+    python tools/run_tests.py [pytest options...]     # e.g. -x, -k name, --durations=25
+    XTOKEN_DP_TEST_JOBS=1 python tools/run_tests.py   # one process, output as it comes
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_HALF = ("tests/test_notebooks.py", "tests/test_docs.py", "tests/test_distill.py")  # the rest of tests/: the other
+
+
+def halves() -> list[list[str]]:
+    "The two lists of test files: `FIRST_HALF`, then every other `tests/test_*.py`."
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    missing = [f for f in FIRST_HALF if f not in files]
+    if missing: raise SystemExit(f"run_tests: {missing} not found under tests/")
+    return [list(FIRST_HALF), [f for f in files if f not in FIRST_HALF]]
+
+
+def _progress(log: Path) -> str:
+    "The last progress line pytest -q wrote to `log` (its dots and percentage)."
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [l for l in text.splitlines() if l.strip()]
+    return lines[-1][-60:] if lines else "starting"
+
+
+def main(args: list[str]) -> int:
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    if os.environ.get("XTOKEN_DP_TEST_JOBS") == "1":
+        return subprocess.call([*pytest, "tests/"], cwd=ROOT)
+    start, names = time.monotonic(), ("notebooks, docs and demo", "other tests")
+    with tempfile.TemporaryDirectory(prefix="xtoken_dp_tests_") as tmp:
+        logs = [Path(tmp) / f"half{i}.log" for i in range(2)]
+        procs = []
+        for i, files in enumerate(halves()):
+            with open(logs[i], "w") as out:
+                procs.append(subprocess.Popen([*pytest, f"--basetemp={tmp}/basetemp{i}", *files], cwd=ROOT, stdout=out,
+                                              stderr=subprocess.STDOUT))
+        print(f"run_tests: two pytest processes, {names[0]!r} and {names[1]!r}; logs in {tmp}", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM ends both halves too (finally below)
+        try:
+            report = start + 60
+            while any(p.poll() is None for p in procs):
+                time.sleep(1)
+                if time.monotonic() >= report:
+                    report += 60
+                    state = "; ".join(f"{n}: {'done' if p.poll() is not None else _progress(log)}"
+                                      for n, p, log in zip(names, procs, logs))
+                    print(f"[{(time.monotonic() - start) / 60:.0f} min] {state}", flush=True)
+        finally:
+            for p in procs:
+                if p.poll() is None: p.terminate()
+        codes = [p.wait() for p in procs]
+        for name, log, code in zip(names, logs, codes):
+            print(f"\n===== {name} (exit status {code}) =====", flush=True)
+            sys.stdout.write(log.read_text(errors="replace"))
+        print(f"\nrun_tests: {time.monotonic() - start:.0f} s; exit status {codes[0]} ({names[0]}), {codes[1]} ({names[1]})")
+    return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
