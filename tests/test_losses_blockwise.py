@@ -395,3 +395,29 @@ def test_uld_of_16_bit_logits_takes_the_16_bit_sort_and_keeps_its_results(dense,
     monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
     for size in ((None, 3) if not overwrite else (3,)):
         assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), ref, 2 ** -7, f"block_size={size}")
+
+
+def test_uld_fused_with_16_bit_logits_takes_the_16_bit_sort(dense, monkeypatch):
+    "bf16 hidden states and lm_head (logits distinct within each row): the fused loss is the probability sort's."
+    config = configs(dense)["uld"]
+    batch, _, teachers = data_for(config, 43)
+    g = torch.Generator().manual_seed(44)
+    B, T = batch["input_ids"].shape
+    hidden = torch.nn.functional.one_hot(torch.randint(0, HIDDEN, (B, T), generator=g), HIDDEN).bfloat16()
+    weight = distinct_bf16(g, (HIDDEN, W_S)).T.contiguous().bfloat16()  # each position's logits: one column of it
+    teachers = {i: distinct_bf16(g, t.shape).bfloat16() for i, t in teachers.items()}
+
+    def loss_and_grads():
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+        loss, _ = L.xtoken_kd_loss_fused(*leaves, batch, teachers, config=dataclasses.replace(config, block_size=3),
+                                         normalizers=L.compute_global_normalizers(batch, config))
+        return loss.detach(), torch.autograd.grad(loss, leaves)
+
+    loss_e, grads_e = loss_and_grads()
+    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
+    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+    loss, grads = loss_and_grads()
+    assert loss_e.item() != 0 and abs(loss.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
+    for got, expected in zip(grads, grads_e):
+        assert expected.abs().max() > 0
+        assert (got.double() - expected.double()).abs().max() <= 2 ** -7 * expected.abs().max(), (got, expected)
