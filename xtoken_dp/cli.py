@@ -231,7 +231,8 @@ def _demo_parser() -> CommandLineParser:
     p.add_argument("--steps", type=_positive_int, help="student steps per arm (equal for every arm)")
     p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)})")
     p.add_argument("--kd-weight", action="append", default=[], metavar="ARM=W", help="override an arm's KD weight (repeatable)")
-    p.add_argument("--threads", type=_positive_int, default=2, help="CPU threads of the run, split over --dp processes (default 2)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads of the run, split over --dp processes (default 2, or torch's thread count if lower)")
     p.add_argument("--dp", type=int, choices=(1, 2), default=2, help="data-parallel gloo processes per student (default 2)")
     p.add_argument("--via-ipc", action="store_true", help="route teacher logits through xtoken_dp.ipc (shared memory)")
     p.add_argument("--sequential", action="store_true", help="train the arms one model at a time instead of as one stack")

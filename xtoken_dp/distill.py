@@ -1350,7 +1350,7 @@ class DemoConfig:
     eval_windows: int | None = None # evaluation windows for the final BPB (of the 256 drawn)
     arms: tuple | None = None # arm names (None: the preset's)
     kd_weights: dict = field(default_factory=dict) # arm -> KD weight overrides
-    threads: int = 2 # CPU threads of the run (split over the data-parallel processes)
+    threads: int | None = None # CPU threads of the run, split over the data-parallel processes (None: 2, or torch's count if lower)
     dp: int = 2 # data-parallel processes per student (1 or 2)
     via_ipc: bool = False # route teacher logits through `xtoken_dp.ipc` shared memory
     batched: bool = True # train the arms of a seed as one `_ArmStack`
@@ -1367,6 +1367,7 @@ class DemoConfig:
         if self.preset not in PRESETS: raise ValueError(f"preset: expected one of {', '.join(PRESETS)}, got {self.preset!r}")
         for name, value in PRESETS[self.preset].items():
             if getattr(self, name) is None: setattr(self, name, value)
+        if self.threads is None: self.threads = min(2, torch.get_num_threads())  # OMP_NUM_THREADS=1 gives one
         if isinstance(self.arms, str): self.arms = tuple(a.strip() for a in self.arms.split(",") if a.strip())
         self.arms = tuple(self.arms)
         for name in ("seeds", "student_steps", "teacher_steps", "eval_windows", "threads", "curve_every", "curve_windows"):
