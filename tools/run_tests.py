@@ -3,9 +3,12 @@
 Most tests keep one core busy (tokenizers, Python-heavy alignment, notebook kernels), so two processes finish sooner
 than one. The notebooks, the docs build (which renders them) and the demo's tests (which share its cache with the demo
 notebooks) run in one process; every other test file, and one long benchmark notebook, in the other. With that notebook
-in the first half, the halves took 1,267 s and 1,060 s on a 2-core machine; it took 119 s of the first. Each process
-has its own pytest temporary folder; they share the project's caches, whose entries are written under a temporary name
-and renamed into place.
+in the first half, the halves took 1,267 s and 1,060 s on a 2-core machine; it took 119 s of the first.
+
+Each process runs torch on one thread (`OMP_NUM_THREADS=1` unless it is set). With two threads per process on two
+cores, each multi-threaded kernel waited for a core the other process held: the halves took 1,294 s and 1,227 s, and
+996 s and 911 s with one thread (the demo notebook 202 s and 66 s). Each process has its own pytest temporary folder;
+they share the project's caches, whose entries are written under a temporary name and renamed into place.
 
 Each half's output goes to a log file that is printed whole once both have finished (a line every minute says how
 far each has got). The exit status is the first non-zero one of the two halves.
@@ -37,7 +40,8 @@ def halves() -> list[list[str]]:
 def _done(log: Path) -> str:
     "How many tests pytest -q has reported in `log` so far, and how many of them failed."
     text = log.read_text(errors="replace") if log.exists() else ""
-    marks = "".join(l.split(" [")[0] for l in text.splitlines() if l and set(l.split(" [")[0]) <= set(".sFExX"))
+    heads = (line.split(" [")[0].rstrip() for line in text.splitlines())  # "..F.s    [100%]" -> "..F.s"
+    marks = "".join(h for h in heads if h and set(h) <= set(".sFExX"))
     failed = sum(marks.count(c) for c in "FE")
     return f"{len(marks)} done" + (f", {failed} failed" if failed else "")
 
@@ -50,11 +54,11 @@ def main(args: list[str]) -> int:
     start, names = time.monotonic(), ("notebooks, docs and demo", f"other tests, {moved}")
     with tempfile.TemporaryDirectory(prefix="xtoken_dp_tests_") as tmp:
         logs = [Path(tmp) / f"half{i}.log" for i in range(2)]
-        procs = []
+        procs, env = [], {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **os.environ}
         for i, files in enumerate(halves()):
             with open(logs[i], "w") as out:
                 procs.append(subprocess.Popen([*pytest, f"--basetemp={tmp}/basetemp{i}", *files], cwd=ROOT, stdout=out,
-                                              stderr=subprocess.STDOUT))
+                                              stderr=subprocess.STDOUT, env=env))
         print(f"run_tests: two pytest processes, {names[0]!r} and {names[1]!r}; logs in {tmp}", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM ends both halves too (finally below)
         try:
