@@ -1316,7 +1316,7 @@ SIXTEEN_BIT_SORT_DEVICES = ("cuda",)  # where ULD sorts 16-bit logits themselves
 
 def _sixteen_bit_sources(mb, teacher, first_s):
     "Both sides' 16-bit float dtypes when their logits came in one and the device sorts them (else None)."
-    dtypes = getattr(mb, "source_dtype", None), getattr(teacher, "source_dtype", None)
+    dtypes = mb.source_dtype, teacher.source_dtype
     sixteen = first_s.device.type in SIXTEEN_BIT_SORT_DEVICES and all(d in (torch.bfloat16, torch.float16) for d in dtypes)
     return dtypes if sixteen else None
 
