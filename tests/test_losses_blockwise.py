@@ -382,6 +382,12 @@ def test_uld_sorts_16_bit_logits_as_their_probabilities(k, kappas):
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
 
 
+def sort_16_bit_logits_on_cpu(monkeypatch):
+    "From here on ULD takes the 16-bit sort on CPU too, and sorting the probabilities fails the test."
+    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
+    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+
+
 @pytest.mark.parametrize("overwrite", [False, True], ids=["blocks", "overwrite"])
 def test_uld_of_16_bit_logits_takes_the_16_bit_sort_and_keeps_its_results(dense, overwrite, monkeypatch):
     "bf16 student and teacher logits: the loss through the 16-bit sort equals the probability sort's, whole and in blocks."
@@ -391,8 +397,7 @@ def test_uld_of_16_bit_logits_takes_the_16_bit_sort_and_keeps_its_results(dense,
     student = distinct_bf16(g, student.shape).bfloat16()
     teachers = {i: distinct_bf16(g, t.shape).bfloat16() for i, t in teachers.items()}
     ref = loss_grad_metrics(config, student, batch, teachers, block_size=None if not overwrite else 3)
-    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
-    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+    sort_16_bit_logits_on_cpu(monkeypatch)
     for size in ((None, 3) if not overwrite else (3,)):
         assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), ref, 2 ** -7, f"block_size={size}")
 
@@ -414,8 +419,7 @@ def test_uld_fused_with_16_bit_logits_takes_the_16_bit_sort(dense, monkeypatch):
         return loss.detach(), torch.autograd.grad(loss, leaves)
 
     loss_e, grads_e = loss_and_grads()
-    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
-    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+    sort_16_bit_logits_on_cpu(monkeypatch)
     loss, grads = loss_and_grads()
     assert loss_e.item() != 0 and abs(loss.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
     for got, expected in zip(grads, grads_e):
