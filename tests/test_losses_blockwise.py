@@ -382,27 +382,98 @@ def test_uld_sorts_16_bit_logits_as_their_probabilities(k, kappas):
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
 
 
-def sort_16_bit_logits_on_cpu(monkeypatch):
-    "From here on ULD takes the 16-bit sort on CPU too, and sorting the probabilities fails the test."
-    monkeypatch.setattr(L, "SIXTEEN_BIT_SORT_DEVICES", ("cpu",))
+def tied_16_bit(g, shape, scale, dtype):
+    "Normal logits on a grid of quarters, exact in a 16-bit `dtype`, as fp32: many values repeat within each row."
+    return (torch.randn(shape, generator=g) * scale * 4).round().div(4).to(dtype).float()
+
+
+def run_sums(values, logits):
+    "Per row, the sum of `values` over each run of equal `logits` (float64), and each element's run."
+    ids = torch.unique(logits, return_inverse=True)[1]
+    width = int(ids.max()) + 1
+    runs = ids + torch.arange(logits.shape[0])[:, None] * width
+    sums = torch.zeros(logits.shape[0] * width, dtype=torch.float64)
+    return sums.index_add_(0, runs.view(-1), values.double().view(-1)), runs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, kappas, scale", [(30, (1.0, 1.0), 3.0), (20, (1.5, 0.7), 2.0), (150, (1.0, 1.0), 0.3),
+                                              (7, (2.0, 1.0), 8.0)])
+def test_uld_counts_16_bit_logits_as_a_sort_of_their_probabilities(dtype, k, kappas, scale):
+    """ULD's counting route on rows full of ties: the loss of a float64 sort of the probabilities, and per run of tied
+    logits the same gradient in sum, shared evenly within the run."""
+    g = torch.Generator().manual_seed(k)
+    a, b, w = tied_16_bit(g, (70, 200), scale, dtype), tied_16_bit(g, (70, 150), scale, dtype), torch.randn(70, generator=g)
+    a64 = a.double().requires_grad_()
+    ref = L._sorted_l1(torch.softmax(a64 / kappas[0], -1), torch.softmax(b.double() / kappas[1], -1), k)
+    ours = L._CountedSoftmaxL1.apply(a.requires_grad_(), b, *kappas, k, dtype, dtype)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-7)
+    (grad,), (grad_ref,) = torch.autograd.grad((ours * w).sum(), a), torch.autograd.grad((ref * w.double()).sum(), a64)
+    (sums, runs), (sums_ref, _) = run_sums(grad, a.detach()), run_sums(grad_ref, a.detach())
+    sizes = torch.bincount(runs.view(-1), minlength=sums.numel())
+    assert sizes.max() > 5 and grad_ref.abs().max() > 0
+    torch.testing.assert_close(sums, sums_ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad.double(), (sums / sizes.clamp(min=1))[runs], rtol=1e-6, atol=1e-9)
+
+
+def test_uld_counting_waits_for_no_device_and_counts_the_same():
+    "Where reading values would wait for a device, the counting route counts every bin by `index_add_`: same results."
+    g = torch.Generator().manual_seed(5)
+    a, b = tied_16_bit(g, (70, 300), 3.0, torch.bfloat16), tied_16_bit(g, (70, 250), 3.0, torch.bfloat16)
+
+    def loss_grad():
+        x = a.clone().requires_grad_()
+        loss = L._CountedSoftmaxL1.apply(x, b, 1.5, 1.0, 200, torch.bfloat16, torch.bfloat16)
+        return loss, torch.autograd.grad(loss.sum(), x)[0]
+
+    on_host = loss_grad()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(L, "HOST_DEVICES", ())
+        m.setattr(torch, "bincount", lambda *a, **k: pytest.fail("bincount reads its input's maximum"))
+        on_device = loss_grad()
+    for got, expected in zip(on_device, on_host): torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_uld_counting_keeps_softmax_on_infinities_and_nan():
+    "A NaN or +inf logit makes its row's loss and gradient NaN, as softmax does; -inf logits (masked) have probability 0."
+    g = torch.Generator().manual_seed(6)
+    a, b = tied_16_bit(g, (4, 60), 2.0, torch.bfloat16), tied_16_bit(g, (4, 50), 2.0, torch.bfloat16)
+    a[0, 3], b[1, 7], a[2, :20], b[3, 10:] = math.nan, math.inf, -math.inf, -math.inf
+    ours = L._CountedSoftmaxL1.apply(a.requires_grad_(), b, 1.0, 1.0, 40, torch.bfloat16, torch.bfloat16)
+    ref = L._sorted_l1(torch.softmax(a.detach().double(), -1), torch.softmax(b.double(), -1), 40)
+    assert ours[:2].isnan().all() and ref[:2].isnan().all()
+    torch.testing.assert_close(ours[2:].double(), ref[2:], rtol=1e-6, atol=1e-7)
+    grad = torch.autograd.grad(ours.sum(), a)[0]
+    assert grad[:2].isnan().all() and grad[2:].isfinite().all() and (grad[2, :20] == 0).all()
+
+
+def take_16_bit_route(monkeypatch, route):
+    "From here on ULD takes the 16-bit `route` (\"sort\" or \"count\") on CPU, and sorting the probabilities fails the test."
+    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {"cpu": route})
     monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
 
 
+ROUTES = ["sort", "count"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("overwrite", [False, True], ids=["blocks", "overwrite"])
-def test_uld_of_16_bit_logits_takes_the_16_bit_sort_and_keeps_its_results(dense, overwrite, monkeypatch):
-    "bf16 student and teacher logits: the loss through the 16-bit sort equals the probability sort's, whole and in blocks."
+def test_uld_of_16_bit_logits_takes_the_16_bit_route_and_keeps_its_results(dense, overwrite, route, monkeypatch):
+    "bf16 student and teacher logits: the loss through a 16-bit route equals the probability sort's, whole and in blocks."
     config = dataclasses.replace(configs(dense)["uld"], uld_student_temperature=1.5, overwrite_logits=overwrite)
     batch, student, teachers = data_for(config, 41)
     g = torch.Generator().manual_seed(42)
     student = distinct_bf16(g, student.shape).bfloat16()
     teachers = {i: distinct_bf16(g, t.shape).bfloat16() for i, t in teachers.items()}
+    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {})
     ref = loss_grad_metrics(config, student, batch, teachers, block_size=None if not overwrite else 3)
-    sort_16_bit_logits_on_cpu(monkeypatch)
+    take_16_bit_route(monkeypatch, route)
     for size in ((None, 3) if not overwrite else (3,)):
         assert_equal_results(loss_grad_metrics(config, student, batch, teachers, block_size=size), ref, 2 ** -7, f"block_size={size}")
 
 
-def test_uld_fused_with_16_bit_logits_takes_the_16_bit_sort(dense, monkeypatch):
+@pytest.mark.parametrize("route", ROUTES)
+def test_uld_fused_with_16_bit_logits_takes_the_16_bit_route(dense, route, monkeypatch):
     "bf16 hidden states and lm_head (logits distinct within each row): the fused loss is the probability sort's."
     config = configs(dense)["uld"]
     batch, _, teachers = data_for(config, 43)
@@ -418,8 +489,9 @@ def test_uld_fused_with_16_bit_logits_takes_the_16_bit_sort(dense, monkeypatch):
                                          normalizers=L.compute_global_normalizers(batch, config))
         return loss.detach(), torch.autograd.grad(loss, leaves)
 
+    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {})
     loss_e, grads_e = loss_and_grads()
-    sort_16_bit_logits_on_cpu(monkeypatch)
+    take_16_bit_route(monkeypatch, route)
     loss, grads = loss_and_grads()
     assert loss_e.item() != 0 and abs(loss.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
     for got, expected in zip(grads, grads_e):

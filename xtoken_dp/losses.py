@@ -39,16 +39,16 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'SIXTEEN_BIT_SORT_DEVICES', 'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE',
-           'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED',
-           'AUTO_BLOCKS_FUSED_BY_MODE', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets',
-           'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns',
-           'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum',
-           'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig',
-           'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses',
-           'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss',
-           'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
-           'get_sparse_projection_matrix', 'get_topk_projection']
+           'SIXTEEN_BIT_ULD', 'BINS_16', 'NEGATIVE_ZERO', 'POSITIVE_ZERO', 'COUNT_ROWS', 'HOST_DEVICES', 'KEEP_SHARE',
+           'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE',
+           'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_FUSED_BY_MODE', 'FUSED_WEIGHT_ROWS',
+           'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask',
+           'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size',
+           'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch',
+           'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm',
+           'SoftmaxKL', 'per_chunk_losses', 'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size',
+           'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
+           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1311,13 +1311,13 @@ def _alm_term(mb, teacher, chunks):
     return _term((tau * D).to(mb.dtype), chunks.valid, alm_gap=gap)
 
 # %% ../nbs/08_losses.ipynb #e4518012
-SIXTEEN_BIT_SORT_DEVICES = ("cuda",)  # where ULD sorts 16-bit logits themselves (on CPU numpy sorts the probabilities faster)
+SIXTEEN_BIT_ULD = {"cuda": "sort", "cpu": "count"}  # per device type, how ULD orders 16-bit logits (elsewhere: it sorts their probabilities)
 
 
 def _sixteen_bit_sources(mb, teacher, first_s):
-    "Both sides' 16-bit float dtypes when their logits came in one and the device sorts them (else None)."
+    "Both sides' 16-bit float dtypes when their logits came in one and the device has a 16-bit route (else None)."
     dtypes = mb.source_dtype, teacher.source_dtype
-    sixteen = first_s.device.type in SIXTEEN_BIT_SORT_DEVICES and all(d in (torch.bfloat16, torch.float16) for d in dtypes)
+    sixteen = first_s.device.type in SIXTEEN_BIT_ULD and all(d in (torch.bfloat16, torch.float16) for d in dtypes)
     return dtypes if sixteen else None
 
 
@@ -1352,6 +1352,127 @@ class _SortedSoftmaxL1(torch.autograd.Function):
         return out.scatter_add_(-1, index, signed.mul_(g)).reshape(ctx.a_shape), None, None, None, None, None, None
 
 
+BINS_16 = 1 << 16  # the values a 16-bit float takes
+NEGATIVE_ZERO, POSITIVE_ZERO = 0, BINS_16 // 2  # the bins of the patterns 0x8000 and 0
+COUNT_ROWS = 64  # rows that ULD's counting route takes at a time (its tables are [rows, 65,536])
+HOST_DEVICES = ("cpu",)  # device types whose values the host reads without waiting (there the counting route may)
+_BIN_TABLES = {}
+
+
+def _sixteen_bit_bins(dtype, device):
+    """Bin `j` holds the 16-bit pattern `j − 32768` (read as int16) of `dtype`: each bin's value as float64 (`[65536]`),
+    and the bins in descending order of value (NaN patterns at the end their sign bit puts them)."""
+    key = dtype, device
+    if key not in _BIN_TABLES:
+        j = torch.arange(BINS_16, dtype=torch.int64)
+        u = j ^ 0x8000  # the pattern as an unsigned number
+        place = torch.where(u >= 0x8000, u, 0x7FFF - u)  # its rank by value, from the top: sign, then magnitude
+        _BIN_TABLES[key] = (j.sub(BINS_16 // 2).to(torch.int16).view(dtype).double().to(device),
+                            torch.empty_like(j).scatter_(0, place, j).to(device))
+    return _BIN_TABLES[key]
+
+
+def _bin_index(rows, dtype, offset):
+    "Each value's bin as int32, plus `offset`: `rows` hold values exact in the 16-bit `dtype`."
+    if rows.dtype == torch.float32 and dtype == torch.bfloat16: bits = rows.view(torch.int32) >> 16  # bf16 is fp32's top half
+    else: bits = rows.to(dtype).view(torch.int16).to(torch.int32)
+    return bits.add_(offset)
+
+
+def _bin_counts(rows, dtype):
+    """`[R, 65536]`: how many of each row's values fall in each bin. A bincount on the host; elsewhere an `index_add_`,
+    which waits for no device (CUDA's bincount reads its input's maximum)."""
+    R, device = rows.shape[0], rows.device
+    index = _bin_index(rows, dtype, torch.arange(R, dtype=torch.int32, device=device)[:, None] * BINS_16 + BINS_16 // 2)
+    if device.type in HOST_DEVICES: return torch.bincount(index.view(-1), minlength=R * BINS_16).view(R, BINS_16)
+    ones = torch.ones((), dtype=torch.int32, device=device).expand(index.numel())
+    return torch.zeros(R * BINS_16, dtype=torch.int32, device=device).index_add_(0, index.view(-1), ones).view(R, BINS_16)
+
+
+def _tied_runs(n, x):
+    """One side's runs of tied values, in descending order: `n` `[R, U]` counts (float64) of the values `x` `[U]`.
+    Returns each run's probability in its row's softmax (`inf`, 0 for empty bins above, below the finite values, so
+    each row stays in order), each run's end rank (exclusive), and the rows holding a NaN or `+inf` (a NaN softmax)."""
+    held, finite = n > 0, torch.isfinite(x)
+    bad = (held & ~finite & (x != -math.inf)).any(-1)
+    x0 = torch.where(finite, x, -math.inf)
+    m = torch.where(held, x0, -math.inf).amax(-1, keepdim=True)
+    lse = m + torch.where(held, n * (x0 - m).exp(), 0.).sum(-1, keepdim=True).log()
+    p = torch.where(finite, (x0 - lse).exp(), torch.where(x.signbit(), 0., math.inf))
+    return p, n.cumsum(-1), bad
+
+
+def _runs_l1(n_s, x_s, n_t, x_t, k):
+    """Per row, `Σ_{r<k} |s_r − t_r|` for the descending sequences `s` and `t` given as runs of ties (`_tied_runs`), and
+    per student run the gradient factor `p·(mean sign over its ranks − Σ_r s_r·sign_r)`; all float64. Within a run `s`
+    is one value `v` and `t` descends, so `|v − t_r|` changes sign once: prefix sums of `t` give each run's sum."""
+    p_s, hi_s, bad_s = _tied_runs(n_s, x_s)
+    p_t, hi_t, bad_t = _tied_runs(n_t, x_t)
+    mass_t = torch.where(n_t > 0, n_t * p_t, 0.)
+    P_hi = mass_t.cumsum(-1)  # the teacher's prefix sums P(r) = Σ_{r'<r} t_r', at each run's end
+    lo_t, P_lo = hi_t - n_t, P_hi - mass_t
+    P_ends = torch.cat([P_lo, P_hi[:, -1:]], -1)  # ... and at each run's start, then the row's end
+    end = hi_s.clamp(max=k)  # the student run's ranks below k: [start, end)
+    start = torch.nn.functional.pad(end[:, :-1], (1, 0))
+    i = torch.searchsorted(hi_t, end, right=True).clamp_(max=hi_t.shape[-1] - 1)  # the teacher run holding rank `end`
+    P_end = P_lo.gather(-1, i) + torch.where(end > lo_t.gather(-1, i), (end - lo_t.gather(-1, i)) * p_t.gather(-1, i), 0.)
+    P_start = torch.nn.functional.pad(P_end[:, :-1], (1, 0))
+    v = torch.where(n_s > 0, p_s, 0.)
+    lo_ext = torch.cat([lo_t, hi_t[:, -1:]], -1)
+    above = torch.searchsorted(-p_t, -v)  # the teacher runs above v, then those at or above it
+    at_or_above = torch.searchsorted(-p_t, -v, right=True)
+    c_gt = torch.minimum(torch.maximum(lo_ext.gather(-1, above), start), end)  # ranks below c_gt: t_r > v
+    c_ge = torch.minimum(torch.maximum(lo_ext.gather(-1, at_or_above), start), end)  # from c_ge on: t_r < v
+    P_c = torch.minimum(torch.maximum(P_ends.gather(-1, above), P_start), P_end)  # P(c_gt), P being monotone
+    loss = ((P_c - P_start) - (c_gt - start) * v + (end - c_gt) * v - (P_end - P_c)).sum(-1)
+    signs = (end - c_ge) - (c_gt - start)
+    factor = v * (signs / n_s.clamp(min=1) - (v * signs).sum(-1, keepdim=True))
+    bad = bad_s | bad_t
+    return loss.masked_fill_(bad, math.nan), factor.masked_fill_(bad[:, None], math.nan)
+
+
+class _CountedSoftmaxL1(torch.autograd.Function):
+    """`_SortedSoftmaxL1`'s loss without a sort: a 16-bit float takes one of 65,536 values, so a count of each row's
+    values per bin gives its sorted probabilities as runs of ties, and the L1 between two such rows follows from
+    prefix sums over the runs (`_runs_l1`). On the host the runs are the bins some row of `COUNT_ROWS` holds, on a
+    device every bin (picking the held ones would wait for it). Each tied
+    logit's gradient is the mean of its run's signs, a subgradient that sums over the run to a sort's."""
+    @staticmethod
+    def forward(ctx, a, b, kappa_a, kappa_b, k, a_dtype, b_dtype):
+        shape, rows_a, rows_b = a.shape[:-1], a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        (x_a, order_a), (x_b, order_b) = _sixteen_bit_bins(a_dtype, a.device), _sixteen_bit_bins(b_dtype, b.device)
+        compact = a.device.type in HOST_DEVICES  # picking the held bins waits for the device
+        loss, table = a.new_empty(rows_a.shape[0]), a.new_zeros(rows_a.shape[0], BINS_16)
+        for r in range(0, rows_a.shape[0], COUNT_ROWS):
+            n_a, n_b = _bin_counts(rows_a[r:r + COUNT_ROWS], a_dtype), _bin_counts(rows_b[r:r + COUNT_ROWS], b_dtype)
+            n_a[:, POSITIVE_ZERO] += n_a[:, NEGATIVE_ZERO]  # -0 and +0: one value, one run
+            n_a[:, NEGATIVE_ZERO] = 0
+            bins_a = order_a[n_a.any(0)[order_a]] if compact else order_a
+            bins_b = order_b[n_b.any(0)[order_b]] if compact else order_b
+            l, f = _runs_l1(n_a[:, bins_a].double(), x_a[bins_a] / kappa_a, n_b[:, bins_b].double(), x_b[bins_b] / kappa_b, k)
+            loss[r:r + COUNT_ROWS] = l
+            table[r:r + COUNT_ROWS].index_copy_(-1, bins_a, f.div_(kappa_a).to(a.dtype))
+            table[r:r + COUNT_ROWS, NEGATIVE_ZERO] = table[r:r + COUNT_ROWS, POSITIVE_ZERO]
+        ctx.save_for_backward(rows_a, table)  # the gradient of a logit of grad 1, by row and bin
+        ctx.a_dtype, ctx.a_shape = a_dtype, a.shape
+        return loss.reshape(shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        rows_a, table = ctx.saved_tensors
+        out = rows_a.new_empty(rows_a.shape)
+        offset = torch.arange(COUNT_ROWS, dtype=torch.int32, device=rows_a.device)[:, None] * BINS_16 + BINS_16 // 2
+        for r in range(0, rows_a.shape[0], COUNT_ROWS):
+            rows = rows_a[r:r + COUNT_ROWS]
+            index = _bin_index(rows, ctx.a_dtype, offset[:rows.shape[0]])
+            torch.index_select(table[r:r + COUNT_ROWS].reshape(-1), 0, index.view(-1), out=out[r:r + COUNT_ROWS].view(-1))
+        return out.mul_(grad.reshape(-1, 1)).reshape(ctx.a_shape), None, None, None, None, None, None
+
+
+_SIXTEEN_BIT_L1 = {"sort": _SortedSoftmaxL1, "count": _CountedSoftmaxL1}
+
+
 def _uld_term(mb, teacher, chunks):
     cfg, spec, C = mb.config, teacher.spec, chunks.max_chunks
     first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C, validate=False)[0]
@@ -1359,7 +1480,7 @@ def _uld_term(mb, teacher, chunks):
     k = int(min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size))
     kappa_s, kappa_t = cfg.uld_student_temperature, cfg.uld_teacher_temperature
     dtypes = _sixteen_bit_sources(mb, teacher, first_s)
-    if dtypes: uld = _SortedSoftmaxL1.apply(first_s, first_t, kappa_s, kappa_t, k, *dtypes)
+    if dtypes: uld = _SIXTEEN_BIT_L1[SIXTEEN_BIT_ULD[first_s.device.type]].apply(first_s, first_t, kappa_s, kappa_t, k, *dtypes)
     else: uld = _sorted_l1(torch.softmax(_tempered(first_s, kappa_s), -1), torch.softmax(_tempered(first_t, kappa_t), -1), k)
     return _term(uld, chunks.valid)
 
