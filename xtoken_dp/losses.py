@@ -39,16 +39,16 @@ from .schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TINY', 'PKL_EPS',
-           'SIXTEEN_BIT_ULD', 'BINS_16', 'NEGATIVE_ZERO', 'POSITIVE_ZERO', 'COUNT_ROWS', 'HOST_DEVICES', 'KEEP_SHARE',
-           'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE',
-           'AUTO_BLOCKS_OVERWRITE_BY_MODE', 'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_FUSED_BY_MODE', 'FUSED_WEIGHT_ROWS',
-           'METRIC_REDUCTIONS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask',
-           'Fp32SparseMM', 'select_projection_columns', 'set_dp_group', 'get_dp_group', 'dp_world_size',
-           'dp_all_reduce_stack', 'dp_all_reduce_sum', 'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch',
-           'TeacherLossSpec', 'XTokenLossConfig', 'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm',
-           'SoftmaxKL', 'per_chunk_losses', 'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size',
-           'xtoken_kd_loss', 'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics',
-           'build_exact_token_map', 'clear_caches', 'get_sparse_projection_matrix', 'get_topk_projection']
+           'SIXTEEN_BIT_ULD', 'COUNT_ROWS', 'HOST_DEVICES', 'KEEP_SHARE', 'AUTO_WHOLE_BYTES', 'AUTO_BLOCKS',
+           'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE', 'AUTO_BLOCKS_OVERWRITE_BY_MODE',
+           'AUTO_BLOCKS_FUSED', 'AUTO_BLOCKS_FUSED_BY_MODE', 'FUSED_WEIGHT_ROWS', 'METRIC_REDUCTIONS', 'chunk_buckets',
+           'chunk_average_log_probs', 'chunk_first', 'valid_chunk_mask', 'Fp32SparseMM', 'select_projection_columns',
+           'set_dp_group', 'get_dp_group', 'dp_world_size', 'dp_all_reduce_stack', 'dp_all_reduce_sum',
+           'dp_masked_mean', 'as_flat_batch', 'alignment_from_flat_batch', 'TeacherLossSpec', 'XTokenLossConfig',
+           'GlobalNormalizers', 'compute_global_normalizers', 'TeacherTerm', 'SoftmaxKL', 'per_chunk_losses',
+           'teacher_weights', 'combine_losses', 'auto_blocks', 'resolve_block_size', 'xtoken_kd_loss',
+           'XTokenDistillationLoss', 'xtoken_kd_loss_fused', 'reduce_metrics', 'build_exact_token_map', 'clear_caches',
+           'get_sparse_projection_matrix', 'get_topk_projection']
 
 # %% ../nbs/08_losses.ipynb #bec5808b
 _all_ = ["build_exact_token_map", "clear_caches", "get_sparse_projection_matrix", "get_topk_projection"]
@@ -1352,24 +1352,20 @@ class _SortedSoftmaxL1(torch.autograd.Function):
         return out.scatter_add_(-1, index, signed.mul_(g)).reshape(ctx.a_shape), None, None, None, None, None, None
 
 
-BINS_16 = 1 << 16  # the values a 16-bit float takes
-NEGATIVE_ZERO, POSITIVE_ZERO = 0, BINS_16 // 2  # the bins of the patterns 0x8000 and 0
+_BINS = 1 << 16  # the values a 16-bit float takes
+_NEGATIVE_ZERO, _POSITIVE_ZERO = 0, _BINS // 2  # the bins of the patterns 0x8000 and 0
 COUNT_ROWS = 64  # rows that ULD's counting route takes at a time (its tables are [rows, 65,536])
 HOST_DEVICES = ("cpu",)  # device types whose values the host reads without waiting (there the counting route may)
-_BIN_TABLES = {}
 
 
+@functools.cache
 def _sixteen_bit_bins(dtype, device):
     """Bin `j` holds the 16-bit pattern `j − 32768` (read as int16) of `dtype`: each bin's value as float64 (`[65536]`),
     and the bins in descending order of value (NaN patterns at the end their sign bit puts them)."""
-    key = dtype, device
-    if key not in _BIN_TABLES:
-        j = torch.arange(BINS_16, dtype=torch.int64)
-        u = j ^ 0x8000  # the pattern as an unsigned number
-        place = torch.where(u >= 0x8000, u, 0x7FFF - u)  # its rank by value, from the top: sign, then magnitude
-        _BIN_TABLES[key] = (j.sub(BINS_16 // 2).to(torch.int16).view(dtype).double().to(device),
-                            torch.empty_like(j).scatter_(0, place, j).to(device))
-    return _BIN_TABLES[key]
+    j = torch.arange(_BINS, dtype=torch.int64)
+    u = j ^ 0x8000  # the pattern as an unsigned number
+    place = torch.where(u >= 0x8000, u, 0x7FFF - u)  # its rank by value, from the top: sign, then magnitude
+    return j.sub(_BINS // 2).to(torch.int16).view(dtype).double().to(device), torch.empty_like(j).scatter_(0, place, j).to(device)
 
 
 def _bin_index(rows, dtype, offset):
@@ -1383,10 +1379,10 @@ def _bin_counts(rows, dtype):
     """`[R, 65536]`: how many of each row's values fall in each bin. A bincount on the host; elsewhere an `index_add_`,
     which waits for no device (CUDA's bincount reads its input's maximum)."""
     R, device = rows.shape[0], rows.device
-    index = _bin_index(rows, dtype, torch.arange(R, dtype=torch.int32, device=device)[:, None] * BINS_16 + BINS_16 // 2)
-    if device.type in HOST_DEVICES: return torch.bincount(index.view(-1), minlength=R * BINS_16).view(R, BINS_16)
+    index = _bin_index(rows, dtype, torch.arange(R, dtype=torch.int32, device=device)[:, None] * _BINS + _BINS // 2)
+    if device.type in HOST_DEVICES: return torch.bincount(index.view(-1), minlength=R * _BINS).view(R, _BINS)
     ones = torch.ones((), dtype=torch.int32, device=device).expand(index.numel())
-    return torch.zeros(R * BINS_16, dtype=torch.int32, device=device).index_add_(0, index.view(-1), ones).view(R, BINS_16)
+    return torch.zeros(R * _BINS, dtype=torch.int32, device=device).index_add_(0, index.view(-1), ones).view(R, _BINS)
 
 
 def _tied_runs(n, x):
@@ -1435,24 +1431,24 @@ class _CountedSoftmaxL1(torch.autograd.Function):
     """`_SortedSoftmaxL1`'s loss without a sort: a 16-bit float takes one of 65,536 values, so a count of each row's
     values per bin gives its sorted probabilities as runs of ties, and the L1 between two such rows follows from
     prefix sums over the runs (`_runs_l1`). On the host the runs are the bins some row of `COUNT_ROWS` holds, on a
-    device every bin (picking the held ones would wait for it). Each tied
-    logit's gradient is the mean of its run's signs, a subgradient that sums over the run to a sort's."""
+    device every bin (picking the held ones would wait for it). Each tied logit's gradient is the mean of its run's
+    signs, a subgradient that sums over the run to a sort's."""
     @staticmethod
     def forward(ctx, a, b, kappa_a, kappa_b, k, a_dtype, b_dtype):
         shape, rows_a, rows_b = a.shape[:-1], a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         (x_a, order_a), (x_b, order_b) = _sixteen_bit_bins(a_dtype, a.device), _sixteen_bit_bins(b_dtype, b.device)
         compact = a.device.type in HOST_DEVICES  # picking the held bins waits for the device
-        loss, table = a.new_empty(rows_a.shape[0]), a.new_zeros(rows_a.shape[0], BINS_16)
+        loss, table = a.new_empty(rows_a.shape[0]), a.new_zeros(rows_a.shape[0], _BINS)
         for r in range(0, rows_a.shape[0], COUNT_ROWS):
             n_a, n_b = _bin_counts(rows_a[r:r + COUNT_ROWS], a_dtype), _bin_counts(rows_b[r:r + COUNT_ROWS], b_dtype)
-            n_a[:, POSITIVE_ZERO] += n_a[:, NEGATIVE_ZERO]  # -0 and +0: one value, one run
-            n_a[:, NEGATIVE_ZERO] = 0
+            n_a[:, _POSITIVE_ZERO] += n_a[:, _NEGATIVE_ZERO]  # -0 and +0: one value, one run
+            n_a[:, _NEGATIVE_ZERO] = 0
             bins_a = order_a[n_a.any(0)[order_a]] if compact else order_a
             bins_b = order_b[n_b.any(0)[order_b]] if compact else order_b
             l, f = _runs_l1(n_a[:, bins_a].double(), x_a[bins_a] / kappa_a, n_b[:, bins_b].double(), x_b[bins_b] / kappa_b, k)
             loss[r:r + COUNT_ROWS] = l
             table[r:r + COUNT_ROWS].index_copy_(-1, bins_a, f.div_(kappa_a).to(a.dtype))
-            table[r:r + COUNT_ROWS, NEGATIVE_ZERO] = table[r:r + COUNT_ROWS, POSITIVE_ZERO]
+            table[r:r + COUNT_ROWS, _NEGATIVE_ZERO] = table[r:r + COUNT_ROWS, _POSITIVE_ZERO]
         ctx.save_for_backward(rows_a, table)  # the gradient of a logit of grad 1, by row and bin
         ctx.a_dtype, ctx.a_shape = a_dtype, a.shape
         return loss.reshape(shape)
@@ -1462,7 +1458,7 @@ class _CountedSoftmaxL1(torch.autograd.Function):
     def backward(ctx, grad):
         rows_a, table = ctx.saved_tensors
         out = rows_a.new_empty(rows_a.shape)
-        offset = torch.arange(COUNT_ROWS, dtype=torch.int32, device=rows_a.device)[:, None] * BINS_16 + BINS_16 // 2
+        offset = torch.arange(COUNT_ROWS, dtype=torch.int32, device=rows_a.device)[:, None] * _BINS + _BINS // 2
         for r in range(0, rows_a.shape[0], COUNT_ROWS):
             rows = rows_a[r:r + COUNT_ROWS]
             index = _bin_index(rows, ctx.a_dtype, offset[:rows.shape[0]])
