@@ -36,12 +36,12 @@ from ..losses import (LOSS_MODES, PROJECTION_MODES, TeacherLossSpec, XTokenLossC
 from ..schema import AlignmentBatch
 
 # %% auto #0
-__all__ = ['CPU_SCALE', 'CPU_QUICK', 'GPU_SCALE', 'GPU_QUICK', 'GPU_LENGTHS', 'FLOORS', 'LIGER_ROWS', 'PATHS', 'MIB', 'CPU_BARS',
-           'GPU_BARS', 'GPU_TOTAL_BYTES', 'COMPARED_WITH', 'Scale', 'row_names', 'blocked_available',
+__all__ = ['CPU_SCALE', 'CPU_QUICK', 'GPU_SCALE', 'GPU_QUICK', 'GPU_LENGTHS', 'FLOORS', 'LIGER_ROWS', 'PATHS', 'ULD_ROUTES',
+           'MIB', 'CPU_BARS', 'GPU_BARS', 'GPU_TOTAL_BYTES', 'COMPARED_WITH', 'Scale', 'row_names', 'blocked_available',
            'overwrite_available', 'fused_available', 'liger_status', 'unavailable', 'random_batch', 'one_to_one_share',
            'write_random_projection', 'next_targets', 'ce_floor', 'kd_floor', 'make_inputs', 'ours_config', 'make_loss',
-           'peak_extra', 'measure_row', 'measure_in_subprocess', 'summary_rows', 'bars_of', 'verdict', 'scales_of',
-           'run']
+           'peak_extra', 'measure_row', 'uld_route', 'set_uld_route', 'measure_in_subprocess', 'summary_rows',
+           'bars_of', 'verdict', 'scales_of', 'run']
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e009
 @dataclass(frozen=True)
@@ -334,11 +334,30 @@ def measure_row(row: str, # a name from `row_names`
             "threads": torch.get_num_threads(), "times": timing.times, "median_s": timing.median}
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e029
+ULD_ROUTES = ("probabilities", "sort", "count")  # how ULD may order 16-bit logits: sort their probabilities, or losses.SIXTEEN_BIT_ULD's routes
+
+
+def uld_route(device: str, # "cpu" or "cuda"
+             ) -> str:
+    "The route ULD takes on `device` for 16-bit logits (fp32 logits always sort their probabilities)."
+    return losses.SIXTEEN_BIT_ULD.get(torch.device(device).type, "probabilities")
+
+
+def set_uld_route(device: str, # "cpu" or "cuda"
+                  route: str, # one of `ULD_ROUTES`
+                 ):
+    "Make ULD take `route` for 16-bit logits on `device`, in this process."
+    if route not in ULD_ROUTES: raise ValueError(f"uld route: expected one of {', '.join(ULD_ROUTES)}, got {route!r}")
+    kind = torch.device(device).type
+    if route == "probabilities": losses.SIXTEEN_BIT_ULD.pop(kind, None)
+    else: losses.SIXTEEN_BIT_ULD[kind] = route
+
+
 def _measure_rows(rows, scale, device, repeats, seed):
     "Each row measured in turn; a row that runs out of memory or fails reports it instead of ending the run."
-    out = []
+    out, route = [], uld_route(device)
     for row in rows:
-        try: out.append(measure_row(row, scale, device, repeats=repeats, seed=seed))
+        try: out.append({**measure_row(row, scale, device, repeats=repeats, seed=seed), "uld_route": route})
         except torch.OutOfMemoryError:
             out.append({"row": row, "device": device, **asdict(scale), "error": "out of memory"})
         except Exception as e:  # one failing row (a baseline's kernel, say) must not lose the others
@@ -355,8 +374,10 @@ def _worker_main(argv=None):
     for name in ("T_s", "V_s", "V_t", "hidden", "repeats", "threads", "seed"): p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--dtype", required=True)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--uld-route", choices=ULD_ROUTES, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.uld_route: set_uld_route(args.device, args.uld_route)
     scale = Scale(args.T_s, args.V_s, args.V_t, args.hidden, args.dtype)
     print(json.dumps(_measure_rows(args.rows.split(","), scale, args.device, args.repeats, args.seed)))
 
@@ -366,6 +387,7 @@ def measure_in_subprocess(rows: list[str], # row names, measured in turn in one 
                           device: str = "cpu", # "cpu" or "cuda"
                           *, repeats: int = 3, threads: int = 2, seed: int = 0, # as `measure_row`; intra-op threads
                           timeout: float = 3600, # seconds
+                          uld_route: str | None = None, # how ULD orders 16-bit logits there (None: the library's choice)
                          ) -> list[dict]:
     "`measure_row` of each row in a fresh interpreter; a process that dies (killed for memory) gives rows with its error."
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -373,6 +395,7 @@ def measure_in_subprocess(rows: list[str], # row names, measured in turn in one 
     cmd = [sys.executable, "-m", "xtoken_dp.bench.scale", "--worker", ",".join(rows), "--T_s", str(scale.T_s),
            "--V_s", str(scale.V_s), "--V_t", str(scale.V_t), "--hidden", str(scale.hidden), "--dtype", scale.dtype,
            "--device", device, "--repeats", str(repeats), "--threads", str(threads), "--seed", str(seed)]
+    if uld_route: cmd += ["--uld-route", uld_route]
     # stdout (the results) goes to a file, so that reading stderr as it comes can never stall the worker on a full pipe
     with tempfile.TemporaryFile("w+") as results, \
          subprocess.Popen(cmd, stdout=results, stderr=subprocess.PIPE, text=True, env=env) as proc:
@@ -464,6 +487,9 @@ def _parse_args(argv):
                         help="comma-separated student lengths (default: 4096 on cpu, 4096,8192,16384 on cuda)")
     parser.add_argument("--modes", default=",".join(LOSS_MODES), help="comma-separated loss modes (default: all)")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths of our rows (default: all)")
+    parser.add_argument("--uld-route", choices=ULD_ROUTES, default=None,
+                        help="how ULD orders 16-bit logits (the CUDA rows' bf16): sort their probabilities, sort them, or count "
+                             "them (default: the library's choice for the device)")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.paths = [p for p in args.paths.split(",") if p]
@@ -488,7 +514,7 @@ def scales_of(args: argparse.Namespace) -> list[Scale]:
     return [replace(base, T_s=T) for T in lengths]
 
 
-def _measure_scale(scale, rows, device, repeats, threads, quick):
+def _measure_scale(scale, rows, device, repeats, threads, quick, uld_route=None):
     "One length's results: rows that cannot run say why; the rest run in fresh processes (one per row for peak RSS on a CPU)."
     skipped = {row: unavailable(row, device) for row in rows}
     todo = [row for row in rows if skipped[row] is None]
@@ -496,7 +522,7 @@ def _measure_scale(scale, rows, device, repeats, threads, quick):
     groups = [todo] if quick or device.startswith("cuda") else [[row] for row in todo]
     measured = {}
     for group in filter(None, groups):
-        for r in measure_in_subprocess(group, scale, device, repeats=repeats, threads=threads):
+        for r in measure_in_subprocess(group, scale, device, repeats=repeats, threads=threads, uld_route=uld_route):
             measured[r["row"]] = r
             shown = r.get("error") or f"{r['median_s'] * 1e3:.0f} ms, peak extra {r['peak_extra_bytes'] / MIB:.0f} MiB"
             print(f"  T_s={scale.T_s} {r['row']}: {shown}", flush=True)
@@ -515,7 +541,7 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     print("alignment: valid one-to-one chunks hold " + ", ".join(f"{s:.0%} (T_s={T})" for T, s in shares.items()) +
           " of the student positions", end="\n\n", flush=True)
     rows, results = row_names(args.modes, args.paths), []
-    for scale in scales_of(args): results += _measure_scale(scale, rows, args.device, repeats, threads, args.quick)
+    for scale in scales_of(args): results += _measure_scale(scale, rows, args.device, repeats, threads, args.quick, args.uld_route)
     table = summary_rows(results)
     scale = scales_of(args)[0]
     print_table(table, ["row", "T_s", "ms", "peak_MiB", "peak_x", "vs_kd_floor_x", "vs_unblocked_x", "note"],
@@ -525,7 +551,8 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     print("verdicts" + (" (--quick: small sizes, not the sizes the bars are stated for)" if args.quick else "") + ":")
     for line in verdicts: print("  " + line)
     result = {"benchmark": "scale", "quick": args.quick, "device": args.device, "repeats": repeats, "threads": threads,
-              "modes": args.modes, "paths": args.paths, "blocked_available": blocked_available(), "fused_available": fused_available(),
+              "modes": args.modes, "paths": args.paths, "uld_route": args.uld_route or uld_route(args.device),
+              "blocked_available": blocked_available(), "fused_available": fused_available(),
               "liger": liger_status(args.device) or "available", "env": info, "one_to_one_share": shares, "rows": table,
               "verdicts": verdicts,
               "raw": results}
