@@ -1368,18 +1368,17 @@ def _sixteen_bit_bins(dtype, device):
     return j.sub(_BINS // 2).to(torch.int16).view(dtype).double().to(device), torch.empty_like(j).scatter_(0, place, j).to(device)
 
 
-def _bin_index(rows, dtype, offset):
-    "Each value's bin as int32, plus `offset`: `rows` hold values exact in the 16-bit `dtype`."
+def _bin_index(rows, dtype):
+    "Each value's bin in one flat `[R·65536]` table of its rows' bins (int32): `rows` hold values exact in the 16-bit `dtype`."
     if rows.dtype == torch.float32 and dtype == torch.bfloat16: bits = rows.view(torch.int32) >> 16  # bf16 is fp32's top half
     else: bits = rows.to(dtype).view(torch.int16).to(torch.int32)
-    return bits.add_(offset)
+    return bits.add_(torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)[:, None] * _BINS + _BINS // 2)
 
 
 def _bin_counts(rows, dtype):
     """`[R, 65536]`: how many of each row's values fall in each bin. A bincount on the host; elsewhere an `index_add_`,
     which waits for no device (CUDA's bincount reads its input's maximum)."""
-    R, device = rows.shape[0], rows.device
-    index = _bin_index(rows, dtype, torch.arange(R, dtype=torch.int32, device=device)[:, None] * _BINS + _BINS // 2)
+    R, device, index = rows.shape[0], rows.device, _bin_index(rows, dtype)
     if device.type in HOST_DEVICES: return torch.bincount(index.view(-1), minlength=R * _BINS).view(R, _BINS)
     ones = torch.ones((), dtype=torch.int32, device=device).expand(index.numel())
     return torch.zeros(R * _BINS, dtype=torch.int32, device=device).index_add_(0, index.view(-1), ones).view(R, _BINS)
@@ -1458,10 +1457,8 @@ class _CountedSoftmaxL1(torch.autograd.Function):
     def backward(ctx, grad):
         rows_a, table = ctx.saved_tensors
         out = rows_a.new_empty(rows_a.shape)
-        offset = torch.arange(COUNT_ROWS, dtype=torch.int32, device=rows_a.device)[:, None] * _BINS + _BINS // 2
         for r in range(0, rows_a.shape[0], COUNT_ROWS):
-            rows = rows_a[r:r + COUNT_ROWS]
-            index = _bin_index(rows, ctx.a_dtype, offset[:rows.shape[0]])
+            index = _bin_index(rows_a[r:r + COUNT_ROWS], ctx.a_dtype)
             torch.index_select(table[r:r + COUNT_ROWS].reshape(-1), 0, index.view(-1), out=out[r:r + COUNT_ROWS].view(-1))
         return out.mul_(grad.reshape(-1, 1)).reshape(ctx.a_shape), None, None, None, None, None, None
 
