@@ -334,12 +334,14 @@ def measure_row(row: str, # a name from `row_names`
             "threads": torch.get_num_threads(), "times": timing.times, "median_s": timing.median}
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e029
-ULD_ROUTES = ("probabilities", "sort", "count")  # how ULD may order 16-bit logits: sort their probabilities, or losses.SIXTEEN_BIT_ULD's routes
+ULD_ROUTES = ("probabilities", *losses._SIXTEEN_BIT_L1)  # how ULD may order 16-bit logits: sort their probabilities, or a 16-bit route
 
 
 def uld_route(device: str, # "cpu" or "cuda"
+              dtype: str, # the logits' dtype, as `Scale.dtype`
              ) -> str:
-    "The route ULD takes on `device` for 16-bit logits (fp32 logits always sort their probabilities)."
+    "The route ULD takes on `device` for logits of `dtype`: wider than 16 bits, they always sort their probabilities."
+    if dtype not in ("bfloat16", "float16"): return "probabilities"
     return losses.SIXTEEN_BIT_ULD.get(torch.device(device).type, "probabilities")
 
 
@@ -355,7 +357,7 @@ def set_uld_route(device: str, # "cpu" or "cuda"
 
 def _measure_rows(rows, scale, device, repeats, seed):
     "Each row measured in turn; a row that runs out of memory or fails reports it instead of ending the run."
-    out, route = [], uld_route(device)
+    out, route = [], uld_route(device, scale.dtype)
     for row in rows:
         try: out.append({**measure_row(row, scale, device, repeats=repeats, seed=seed), "uld_route": route})
         except torch.OutOfMemoryError:
@@ -551,7 +553,7 @@ def run(argv: list[str] | None = None # --quick, --device, --T, --modes, --repea
     print("verdicts" + (" (--quick: small sizes, not the sizes the bars are stated for)" if args.quick else "") + ":")
     for line in verdicts: print("  " + line)
     result = {"benchmark": "scale", "quick": args.quick, "device": args.device, "repeats": repeats, "threads": threads,
-              "modes": args.modes, "paths": args.paths, "uld_route": args.uld_route or uld_route(args.device),
+              "modes": args.modes, "paths": args.paths, "uld_route": args.uld_route,
               "blocked_available": blocked_available(), "fused_available": fused_available(),
               "liger": liger_status(args.device) or "available", "env": info, "one_to_one_share": shares, "rows": table,
               "verdicts": verdicts,
