@@ -179,6 +179,7 @@ class AlignmentView:
 
     def _repr_html_(self) -> str: return self.html
     def __str__(self) -> str: return self.html
+    def __repr__(self) -> str: return f"AlignmentView({self.title!r}, {len(self.html):,} characters of HTML)"  # not the HTML itself
 
     def page(self) -> str:
         "A standalone HTML document holding the view."
@@ -373,8 +374,8 @@ def _draw_side(ax, spans, toks: list[_Token], y: float, color: str, lo: float, h
 
 
 def _byte_window(byte_range, nbytes: int) -> tuple[int, int]:
-    "The (start, end) bytes to show, checked: the whole text when `byte_range` is None."
-    lo, hi = (0, nbytes) if byte_range is None else byte_range
+    "The (start, end) bytes to show, checked: the whole text when `byte_range` is None (one empty byte for an empty text)."
+    lo, hi = (0, max(nbytes, 1)) if byte_range is None else byte_range
     if not (isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer)) and 0 <= lo < hi <= max(nbytes, 1)):
         raise ValueError(f"byte_range must be (start, end) with 0 <= start < end <= {nbytes}, got {byte_range!r}")
     return lo, hi
