@@ -430,3 +430,42 @@ def test_pickles_need_allow_pickle_and_say_why(tmp_path):
     edit(tmp_path / "dp", lambda m: m["objects"][0].update(nbytes=(tmp_path / "dp" / "objects" / "0000.pkl").stat().st_size))
     with pytest.raises(BatchDirectoryError, match="column 'uid' must be an np.ndarray with N=2 rows"):
         DataProto.load(tmp_path / "dp", allow_pickle=True)
+
+
+# ------------------------------------------------------------------------------------------ tensordict's format
+def dense_reward_data(full: bool) -> RewardData:
+    "A padded RewardData (no jagged leaf, so it saves in tensordict's format), with every field or with two left None."
+    g = torch.Generator().manual_seed(0)
+    return RewardData(torch.randint(0, 100, (3, 6), generator=g), torch.rand(3, 6, generator=g) < .8,
+                      torch.randn(3, 6, generator=g) if full else None, torch.rand(3, generator=g) if full else None,
+                      batch_size=[3])
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_tensordict_format_columns_are_checked_against_their_meta_json(tmp_path, full):
+    original = dense_reward_data(full)
+    folder = tmp_path / "saved"
+    original.save(folder)
+    assert not (folder / MANIFEST_NAME).exists() and (folder / "meta.json").is_file()  # tensordict's format
+    columns = sorted(folder.rglob("*.memmap"))
+    assert len(columns) == (4 if full else 2)
+    assert raw_equal(RewardData.load_memmap(folder), original)
+    for column in columns:
+        data = column.read_bytes()
+        for changed in (data[:-1], data + b"\0"):
+            column.write_bytes(changed)
+            with pytest.raises(BatchDirectoryError, match=f"{column.name} holds {len(changed)} bytes"):
+                RewardData.load_memmap(folder)
+        column.unlink()
+        with pytest.raises(FileNotFoundError, match=column.name):
+            RewardData.load_memmap(folder)
+        column.write_bytes(data)
+    assert raw_equal(RewardData.load(folder), original)
+
+
+def raw_equal(a, b) -> bool:
+    "Same columns (flattened), each with the same dtype, shape and bytes."
+    fa, fb = flatten_tensorclass(a)[1], flatten_tensorclass(b)[1]
+    return fa.keys() == fb.keys() and all(
+        x is None and y is None or x is not None and y is not None and x.dtype == y.dtype and x.shape == y.shape and raw(x) == raw(y)
+        for x, y in ((fa[k], fb[k]) for k in fa))

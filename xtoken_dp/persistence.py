@@ -650,11 +650,40 @@ def _load_tensorclass(cls, path: Path, device, non_blocking: bool):
     except (ValueError, TypeError, KeyError, RuntimeError) as e: _fail(path, f"the saved columns do not form a {cls.__name__} ({e})")
 
 
+def _check_tensordict_files(path: Path):
+    """Every data file of a directory in tensordict's format (the `meta.json` files under `path`) holds the bytes its
+    entry claims, `numel × element size`: tensordict maps a shorter file as it is, so a truncated column would load as
+    fewer values, or garbage, without a word."""
+    for meta in sorted(path.rglob("meta.json")):
+        try: entries = json.loads(meta.read_text())
+        except (ValueError, UnicodeDecodeError, RecursionError) as e: _fail(meta, f"not valid JSON ({e})")
+        if not isinstance(entries, dict): _fail(meta, f"expected a JSON object, got {type(entries).__name__}")
+        for key, entry in entries.items():
+            if not isinstance(entry, dict) or "type" in entry or entry.get("is_nested") or not {"dtype", "shape"} <= entry.keys():
+                continue  # not a dense tensor: a nested node (its own meta.json), a jagged leaf, or other metadata
+            try: dtype = dtype_from_name(str(entry["dtype"]).removeprefix("torch."), key)
+            except SchemaError as e: _fail(meta, str(e))
+            shape = entry["shape"]
+            if not isinstance(shape, list): _fail(meta, f"{key!r} shape must be a list, got {shape!r}")
+            nbytes = math.prod(_claim_int(meta, f"{key!r} shape[{d}]", s) for d, s in enumerate(shape)) * dtype.itemsize
+            file = meta.parent / f"{key}.memmap"
+            if not file.is_file():
+                if nbytes: raise FileNotFoundError(f"data file {file} listed in {meta} is missing")
+                continue
+            actual = file.stat().st_size
+            if actual != nbytes:
+                raise BatchDirectoryError(f"data file {file} holds {actual} bytes, {meta} says {nbytes} "
+                                          f"({dtype_name(dtype)} {shape})")
+
+
 def _tc_load_memmap(cls, prefix, device=None, non_blocking: bool = False, *, out=None, **kwargs):
     "Load a saved instance: our format (mapped, copied to `device`, or meta from the manifest alone) or tensordict's."
     path = Path(prefix)
     if not (path / MANIFEST_NAME).is_file() and (path / "meta.json").is_file():
-        return TensorDictBase.load_memmap.__func__(cls, prefix, device, non_blocking, out=out, **kwargs)
+        if not _is_meta(device): _check_tensordict_files(path)
+        loaded = TensorDictBase.load_memmap.__func__(cls, prefix, device, non_blocking, out=out, **kwargs)
+        if device is None: loaded.__dict__[_SAVED_PATH] = str(path)  # so that memmap_refresh_ finds it
+        return loaded
     if device is not None: torch.device(device)  # a bad device is the caller's error, raised before any reading
     loaded = _load_tensorclass(cls, path, device, non_blocking)
     if device is None: loaded.__dict__[_SAVED_PATH] = str(path)
@@ -674,7 +703,8 @@ def _tc_memmap_refresh_(self, **kwargs):
     "Re-read the manifest and re-map the files of the directory this instance was mapped from."
     path = self.__dict__.get(_SAVED_PATH)
     if path is not None: return type(self).load_memmap(path, out=self)
-    if self._tensordict.is_memmap() and getattr(self._tensordict, "_memmap_prefix", None) is not None:
+    if self._tensordict.is_memmap() and (prefix := getattr(self._tensordict, "_memmap_prefix", None)) is not None:
+        _check_tensordict_files(Path(prefix))
         return TensorDict.memmap_refresh_(self, **kwargs)
     raise ValueError(f"memmap_refresh_ needs a {type(self).__name__} mapped from a directory (memmap, memmap_, "
                      f"memmap_like or load_memmap); this one has no saved path")
