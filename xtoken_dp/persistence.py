@@ -323,10 +323,14 @@ def _data_file(path: Path, entry: dict) -> Path:
     try: inside = file.resolve().is_relative_to(path.resolve())
     except (OSError, RuntimeError) as e: _fail(path, f"data file {name!r} cannot be resolved ({e})")  # a symlink loop
     if not inside: _fail(path, f"data file {name!r} lies outside the directory")
-    if not file.is_file(): raise FileNotFoundError(f"data file {file} listed in the manifest is missing")
+    return _sized_file(file, entry["nbytes"], "the manifest")
+
+
+def _sized_file(file: Path, nbytes: int, lister: str, what: str = "") -> Path:
+    "`file`, present and `nbytes` long as `lister` (what lists it) says, else `FileNotFoundError` or `BatchDirectoryError`."
+    if not file.is_file(): raise FileNotFoundError(f"data file {file} listed in {lister} is missing")
     actual = file.stat().st_size
-    if actual != entry["nbytes"]:
-        raise BatchDirectoryError(f"data file {file} holds {actual} bytes, the manifest says {entry['nbytes']}")
+    if actual != nbytes: raise BatchDirectoryError(f"data file {file} holds {actual} bytes, {lister} says {nbytes}{what}")
     return file
 
 
@@ -667,13 +671,7 @@ def _check_tensordict_files(path: Path):
             if not isinstance(shape, list): _fail(meta, f"{key!r} shape must be a list, got {shape!r}")
             nbytes = math.prod(_claim_int(meta, f"{key!r} shape[{d}]", s) for d, s in enumerate(shape)) * dtype.itemsize
             file = meta.parent / f"{key}.memmap"
-            if not file.is_file():
-                if nbytes: raise FileNotFoundError(f"data file {file} listed in {meta} is missing")
-                continue
-            actual = file.stat().st_size
-            if actual != nbytes:
-                raise BatchDirectoryError(f"data file {file} holds {actual} bytes, {meta} says {nbytes} "
-                                          f"({dtype_name(dtype)} {shape})")
+            if nbytes or file.exists(): _sized_file(file, nbytes, str(meta), f" ({dtype_name(dtype)} {shape})")
 
 
 def _tc_load_memmap(cls, prefix, device=None, non_blocking: bool = False, *, out=None, **kwargs):
