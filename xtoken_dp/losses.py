@@ -1410,7 +1410,8 @@ def _runs_l1(n_s, x_s, n_t, x_t, k):
     end = hi_s.clamp(max=k)  # the student run's ranks below k: [start, end)
     start = torch.nn.functional.pad(end[:, :-1], (1, 0))
     i = torch.searchsorted(hi_t, end, right=True).clamp_(max=hi_t.shape[-1] - 1)  # the teacher run holding rank `end`
-    P_end = P_lo.gather(-1, i) + torch.where(end > lo_t.gather(-1, i), (end - lo_t.gather(-1, i)) * p_t.gather(-1, i), 0.)
+    lo_i = lo_t.gather(-1, i)
+    P_end = P_lo.gather(-1, i) + torch.where(end > lo_i, (end - lo_i) * p_t.gather(-1, i), 0.)
     P_start = torch.nn.functional.pad(P_end[:, :-1], (1, 0))
     v = torch.where(n_s > 0, p_s, 0.)
     lo_ext = torch.cat([lo_t, hi_t[:, -1:]], -1)
