@@ -175,3 +175,49 @@ def test_imports_have_cells_of_their_own():
             if cell["cell_type"] != "code" or re.search(r"^#\|\s*(export|exports|exporti)\b", source, re.M): continue
             if _mixes_imports_and_code(source): mixed.append(f"{nb.name} cell {cell.get('id')}")
     assert mixed == [], mixed
+
+
+MAX_MODULE_LINES, MAX_NOTEBOOK_CODE_LINES = 1400, 2000
+
+
+def _notebook_code_lines(nb_path):
+    "Lines of every code cell of a notebook, hidden test cells included."
+    return sum(len(_source(c).splitlines()) for c in _cells(nb_path) if c["cell_type"] == "code")
+
+
+def test_no_module_or_notebook_is_too_large_to_walk():
+    "A newcomer finds their room: no module over 1,400 lines (benchmarks and generated files aside), no notebook over 2,000 code lines."
+    big_modules = [f"{p.relative_to(ROOT)} ({n} lines)" for p in _library_files() if "bench" not in p.relative_to(LIB).parts
+                   and (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    big_notebooks = [f"{nb.name} ({n} code lines)" for nb in sorted(NBS.glob("*.ipynb"))
+                     if (n := _notebook_code_lines(nb)) > MAX_NOTEBOOK_CODE_LINES]
+    assert not big_modules and not big_notebooks, f"modules: {big_modules}; notebooks: {big_notebooks}"
+
+
+def test_import_graph_has_no_cycle():
+    "No two library modules import each other, directly or through others (the reading order forbids it; this says where)."
+    order = [m for _, m in _module_notebooks()]
+    graph = {m: {t for imported, name, _ in _imports(_module_file(m))
+                 if (t := _owner(f"{imported}.{name}" if name else imported, order)) not in (None, m)} for m in order}
+    state, cycles = {}, []
+    def visit(m, path):
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open": cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state: visit(t, path + [t])
+        state[m] = "done"
+    for m in order:
+        if m not in state: visit(m, [m])
+    assert cycles == [], cycles
+
+
+PUBLIC_API = json.loads((ROOT / "tests" / "fixtures" / "public_api.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_API))
+def test_public_names_stay_importable_from_their_paths(module):
+    "Every name a module listed in `__all__` (tests/fixtures/public_api.json, taken before the losses, demo and tokenizers became packages) still imports from that module."
+    import importlib
+    mod = importlib.import_module(module)
+    missing = [name for name in PUBLIC_API[module] if not hasattr(mod, name)]
+    assert missing == [], f"{module} no longer offers {missing}"
