@@ -8,7 +8,9 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/projection.html.md"""
 
 # %% ../nbs/05_projection.ipynb #1fd72760
 from __future__ import annotations
-import argparse, contextlib, dataclasses, itertools, json, logging, math, numbers, os, resource, sys, tempfile
+import _compat_pickle
+import argparse, contextlib, dataclasses, io, itertools, json, logging, math, numbers, os, pickletools, resource
+import sys, tempfile
 import threading, time, warnings
 from collections import namedtuple
 from pathlib import Path
@@ -25,12 +27,12 @@ __all__ = ['DenseProjection', 'DEFAULT_ROLE_EQUIVALENCE', 'UNPAIRED_ROLES', 'FAI
            'ProjectionFileError', 'projection_format', 'check_dense_arrays', 'check_projection_metadata',
            'load_dense_projection', 'read_projection_metadata', 'parse_projection_file', 'check_vocab_size',
            'sparse_projection_from_coo', 'exact_token_map_parts', 'refuse_empty_exact_map', 'exact_token_map_from_topk',
-           'PieceVocabulary', 'single_byte_tokens', 'pair_special_tokens', 'pair_specials_by_string',
-           'exact_byte_matches', 'same_string_matches', 'canonical_rows', 'reencode', 'geometric_weights',
-           'accumulate_triplets', 'sort_and_cut', 'projection_invariant_violations', 'ProjectionReport',
-           'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder', 'as_piece_vocabulary', 'ProjectionBuild',
-           'specials_and_exact', 'build_projection', 'default_report_path', 'build_projection_file',
-           'describe_projection_file', 'convert_projection_file']
+           'ProjectionPairError', 'check_projection_pair', 'PieceVocabulary', 'single_byte_tokens',
+           'pair_special_tokens', 'pair_specials_by_string', 'exact_byte_matches', 'same_string_matches',
+           'canonical_rows', 'reencode', 'geometric_weights', 'accumulate_triplets', 'sort_and_cut',
+           'projection_invariant_violations', 'ProjectionReport', 'peak_rss_bytes', 'PhaseTimer', 'fast_batch_encoder',
+           'as_piece_vocabulary', 'ProjectionBuild', 'specials_and_exact', 'build_projection', 'default_report_path',
+           'build_projection_file', 'describe_projection_file', 'convert_projection_file']
 
 # %% ../nbs/05_projection.ipynb #f065eba1
 class UnsafeProjectionFileError(ValueError):
@@ -55,11 +57,34 @@ def _global_name(obj): return f"{obj.__module__}.{obj.__qualname__}"
 
 _LOAD_LOCK = threading.Lock()
 
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+
+def _pickled_globals(data:bytes) -> list:
+    "Every global named by the pickles stored back to back in `data` (a legacy torch file holds several), in order."
+    stream, found, memo, recent = io.BytesIO(data), [], {}, []
+    while stream.tell() < len(data):
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("GLOBAL", "INST"):   # protocols 0-2 spell Python 2 names, which Python 3 maps on load
+                    module, name = arg.split(" ", 1)
+                    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+                    found.append(f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}")
+                elif op.name == "STACK_GLOBAL" and len(recent) >= 2: found.append(f"{recent[-2]}.{recent[-1]}")
+                elif op.name == "MEMOIZE": memo[len(memo)] = recent[-1] if recent else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"): memo[arg] = recent[-1] if recent else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"): recent.append(memo.get(arg))
+                elif op.name in _STRING_OPS: recent.append(arg)
+        except Exception: break   # raw storage bytes after the pickles, or a truncated file: nothing more to name
+    return list(dict.fromkeys(name for name in found if name))
+
 def _refused_globals(path):
-    "Names of the globals in the checkpoint at `path` that the safe loader does not allow ([] if unreadable)."
+    "Names of the globals in the file at `path` that the safe loader does not allow ([] if it names none)."
     allowed = {_global_name(g) for g in _numpy_safe_globals()}
     try: found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception: return []
+    except Exception:   # not a zip archive: a plain pickle or torch's legacy format, scanned opcode by opcode
+        try: safe = set(torch._weights_only_unpickler._get_allowed_globals())
+        except Exception: safe = set()
+        found = [name for name in _pickled_globals(Path(path).read_bytes()) if name not in safe]
     return [name for name in found if name not in allowed]
 
 # %% ../nbs/05_projection.ipynb #1cb50861
@@ -230,11 +255,13 @@ def _size_rules(metadata, path, indices, exact_student_ids, canonical_student_id
     live = indices >= 0
     needed = int(indices[live].max()) + 1 if live.any() else 0
     nonempty = int(live.any(1).sum())
+    covered = int(torch.unique(indices[live]).numel())
     rules = {"student_vocab_size": (f"{v_rows}, the rows of 'indices'", lambda v: v == v_rows),
              "teacher_vocab_size": (f">= {needed}, one more than the largest teacher id in 'indices'", lambda v: v >= needed),
              "top_k": (f"{k}, the slots per row of 'indices'", lambda v: v == k),
              "nonempty_rows": (f"{nonempty}, the rows of 'indices' holding a teacher id", lambda v: v == nonempty),
-             "empty_rows": (f"{v_rows - nonempty}, the rows of 'indices' holding none", lambda v: v == v_rows - nonempty)}
+             "empty_rows": (f"{v_rows - nonempty}, the rows of 'indices' holding none", lambda v: v == v_rows - nonempty),
+             "teacher_ids_covered": (f"{covered}, the distinct teacher ids in 'indices'", lambda v: v == covered)}
     if exact_student_ids is not None:
         n = exact_student_ids.numel()
         rules["exact_rows"] = (f"{n}, the length of 'exact_student_ids'", lambda v: v == n)
@@ -255,14 +282,19 @@ def check_projection_metadata(
 ) -> dict:
     "Check every size the metadata declares against the tensors; `ProjectionFileError` on a contradiction."
     rules = _size_rules(metadata, path, indices, exact_student_ids, canonical_student_ids)
-    if "student_vocab_size" in metadata:
-        _declared_int(path, "student_vocab_size", metadata["student_vocab_size"], *rules["student_vocab_size"])
+    for field, rule in rules.items():   # top-level claims (teacher_vocab_size was read into its own rule)
+        if field in metadata and field != "teacher_vocab_size": _declared_int(path, field, metadata[field], *rule)
     for section in ("builder", "report"):
         if section not in metadata: continue
         d = metadata[section]
         if not isinstance(d, dict): raise ProjectionFileError(path, section, "a dict", type(d).__name__)
         for field, rule in rules.items():
             if field in d: _declared_int(path, f"{section}['{field}']", d[field], *rule)
+    for field in ("student_fingerprint", "teacher_fingerprint"):   # one tokenizer per side, whoever records it
+        claims = {metadata.get(field), metadata.get("report", {}).get(field)} - {None}
+        if len(claims) > 1:
+            raise ProjectionFileError(path, f"report['{field}']", f"{metadata[field]!r:.30}, as '{field}' declares",
+                                      f"{metadata['report'][field]!r:.30}")
     histogram = metadata.get("report", {}).get("entries_per_row")
     if histogram is not None:
         actual = torch.bincount((indices >= 0).sum(1), minlength=indices.shape[1] + 1).tolist()
@@ -519,6 +551,81 @@ def exact_token_map_from_topk(
         exact_student_ids=exact_student_ids, canonical_student_ids=canonical_student_ids, source=source)
     refuse_empty_exact_map(message, allow_empty)
     return result
+
+# %% ../nbs/05_projection.ipynb #35b41f48
+class ProjectionPairError(ValueError):
+    "A readable projection file built for another student or teacher (or in the other direction); names the file."
+    def __init__(self, path,     # the file (kept as `self.path`)
+                 problems:list,  # one line per field that disagrees
+                 reversed_:bool, # whether the file fits the pair read the other way round (kept as `self.reversed`)
+                ):
+        self.problems, self.reversed = list(problems), reversed_
+        hint = ("it was built in the other direction (its student is this teacher and its teacher this student): "
+                "build one from student to teacher" if reversed_ else "it was built for another pair: build one for this pair")
+        self.path = os.fspath(path)
+        super().__init__(f"{self.path}: this projection does not belong to the pair it is used with: "
+                         f"{'; '.join(self.problems)}. {hint.capitalize()} with `xtoken-dp projection build --student "
+                         "STUDENT --teacher TEACHER --out FILE` (or `xtoken_dp.projection.build_projection_file`).")
+
+# %% ../nbs/05_projection.ipynb #8edcd9fb
+_PAIR_FIELDS = ("student_vocab_size", "teacher_vocab_size", "student_fingerprint", "teacher_fingerprint")
+
+def _pair_claims(path) -> dict:
+    "What a file says about its pair: recorded sizes and fingerprints (dense), or the sizes its ids imply (sparse)."
+    with _reading(path):
+        obj = load_projection_object(path)
+        if projection_format(obj, path) == "sparse":
+            _, _, v_s, v_t = _parse_sparse(obj, os.fspath(path))
+            return {"student_rows_used": v_s, "teacher_ids_used": v_t}
+        dense = _dense_parts(obj, os.fspath(path))
+    claims = {k: dense.metadata[k] for k in _PAIR_FIELDS if k in dense.metadata}
+    claims.setdefault("student_vocab_size", dense.indices.shape[0])
+    return claims
+
+def _brief(value): return f"{value[:12]}..." if isinstance(value, str) and len(value) > 12 else f"{value:,}"
+
+def _pair_problems(claims:dict, pair:dict) -> list:
+    "One line per recorded fact that contradicts the pair (`pair`: field -> value, None = unknown)."
+    out = []
+    for field in _PAIR_FIELDS:
+        if field in claims and pair.get(field) is not None and claims[field] != pair[field]:
+            out.append(f"it records {field} {_brief(claims[field])}, the pair has {_brief(pair[field])}")
+    for used, field in (("student_rows_used", "student_vocab_size"), ("teacher_ids_used", "teacher_vocab_size")):
+        if used in claims and pair.get(field) is not None and claims[used] > pair[field]:
+            out.append(f"its ids need {field} >= {claims[used]:,}, the pair has {pair[field]:,}")
+    return out
+
+# %% ../nbs/05_projection.ipynb #13b6fb53
+def _side(tokenizer, vocab_size, name):
+    "(vocabulary size, fingerprint) of one side: from the tokenizer when given, its size checked against `vocab_size`."
+    if tokenizer is None: return check_vocab_size(f"{name}_vocab_size", vocab_size, optional=True), None
+    from xtoken_dp.tokenizers import tokenizer_fingerprint
+    size = len(tokenizer)
+    if vocab_size is not None and check_vocab_size(f"{name}_vocab_size", vocab_size) != size:
+        raise ValueError(f"{name}_vocab_size: expected len({name}) = {size:,} (the {name} tokenizer given with it), "
+                         f"got {vocab_size:,}")
+    return size, tokenizer_fingerprint(tokenizer)
+
+def check_projection_pair(
+    path, # a projection file (dense files record sizes and fingerprints; sparse files only imply sizes)
+    student=None, # the student tokenizer (its length and fingerprint are checked)
+    teacher=None, # the teacher tokenizer
+    student_vocab_size:int|None=None, # len(student tokenizer), when the tokenizer is not at hand
+    teacher_vocab_size:int|None=None, # len(teacher tokenizer), e.g. `TeacherLossSpec.vocab_size`
+) -> dict:
+    "What the file records about its pair, after checking it against this pair: `ProjectionPairError` names what differs."
+    v_s, fp_s = _side(student, student_vocab_size, "student")
+    v_t, fp_t = _side(teacher, teacher_vocab_size, "teacher")
+    pair = {"student_vocab_size": v_s, "teacher_vocab_size": v_t, "student_fingerprint": fp_s, "teacher_fingerprint": fp_t}
+    claims = _pair_claims(path)
+    problems = _pair_problems(claims, pair)
+    if problems:
+        swapped = {f"{a}_{what}": pair[f"{b}_{what}"] for a, b in (("student", "teacher"), ("teacher", "student"))
+                   for what in ("vocab_size", "fingerprint")}
+        known = sum(v is not None for v in swapped.values())
+        raise ProjectionPairError(path, problems, reversed_=known > 0 and not _pair_problems(claims, swapped)
+                                  and "student_rows_used" not in claims)
+    return claims
 
 # %% ../nbs/05_projection.ipynb #f7aa0cd9
 @dataclasses.dataclass(eq=False)
