@@ -700,6 +700,8 @@ def encode(td: TensorDictBase, # a wire batch
     if not isinstance(td, TensorDictBase) or td.batch_dims != 1:
         raise TypeError(f"td must be a TensorDict with batch_size [N], got {type(td).__name__}")
     schema, n = _check_encode_schema(td, schema), td.batch_size[0]
+    shapes_only = [spec.name for spec in schema if spec.kind != "object" and td.get(spec.name).is_meta]
+    if shapes_only: raise WireFormatError(f"fields {shapes_only} are on the meta device (shapes without data): nothing to encode")
     buffers, groups, values = [], [], {}
     for name, keys in schema.groups().items():
         entry, vals = _encode_group(name, [(k, td.get(k)) for k in keys], buffers)

@@ -282,6 +282,12 @@ def make_jagged(values: torch.Tensor, # `[T, *trailing]` values buffer
                 max_seqlen: int | None = None, # cached longest row; None: computed from the offsets
                ) -> torch.Tensor:
     "A jagged NJT `(N, j, *trailing)` over `values`/`offsets` (no copy) with its min/max seqlen cache set."
+    if not isinstance(values, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"make_jagged: values and offsets must be tensors, got {type(values).__name__} and "
+                        f"{type(offsets).__name__}")
+    if offsets.device != values.device:
+        raise ValueError(f"make_jagged: values and offsets must be on one device, got values on {values.device} and "
+                         f"offsets on {offsets.device}")
     if min_seqlen is None or max_seqlen is None:
         lo, hi = (int(v) for v in torch.aminmax(offsets.diff())) if offsets.numel() > 1 else (0, 0)
         min_seqlen = lo if min_seqlen is None else min_seqlen
@@ -506,10 +512,14 @@ def as_lengths(lengths, # integer `(N,)` tensor or a sequence of ints
         if lengths.is_nested: raise TypeError(f"{name} must be a dense integer tensor, got a nested tensor")
         if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
             raise TypeError(f"{name} must hold integers, got dtype {dtype_name(lengths.dtype)}")
+        if lengths.is_meta: raise TypeError(f"{name} must hold data, got a tensor on the meta device (a shape only)")
         return lengths
     if isinstance(lengths, (list, tuple)):
-        return torch.tensor([v if type(v) is int else check_int(f"{name}[{i}]", v) for i, v in enumerate(lengths)],
-                            dtype=torch.int64)  # plain ints pass as they are; anything else gets the shared check
+        ints = [v if type(v) is int else check_int(f"{name}[{i}]", v) for i, v in enumerate(lengths)]
+        try: return torch.tensor(ints, dtype=torch.int64)  # plain ints pass as they are; anything else gets the shared check
+        except (RuntimeError, OverflowError, ValueError):
+            i, v = next((i, v) for i, v in enumerate(ints) if not -2**63 <= v < 2**63)
+            raise ValueError(f"{name}[{i}]: expected an int that fits in int64, got {v}") from None
     if hasattr(lengths, "dtype") and hasattr(lengths, "shape") and getattr(lengths.dtype, "kind", "") in "iu":
         return torch.as_tensor(lengths)  # an integer numpy array
     raise TypeError(f"{name} must be an integer tensor or a sequence of ints, got {type(lengths).__name__}")
