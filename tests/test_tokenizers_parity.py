@@ -13,13 +13,14 @@ from tokenizer_support import no_network, tok
 from tokenizer_texts import random_texts, single_space_texts
 
 import xtoken_dp.tokenizers as T
+import xtoken_dp.tokenizers.spans as S
 
 N = 5000 if "slow" in os.environ.get("XTOKEN_DP_TEST_FLAGS", "").split() else 1000
 
 
 def ours(name, texts):
     "Content ids as every consumer of this module gets them (split_special_tokens, no template)."
-    return [e.ids for e in T._encode(tok(name), texts, False)]
+    return [e.ids for e in S._encode(tok(name), texts, False)]
 
 
 def mismatches(name, texts, upstream):
