@@ -1,6 +1,8 @@
 """verl's wider `DataProto` surface against a per-row reference: each expected batch is built row by row from the
 input rows (jagged fields, dense fields and object columns), never by the code under test. Also here: the gather
-over two real gloo processes (`all_gather_data_proto`) and `DataProtoFuture` on the test session's local Ray.
+over two real gloo processes (`all_gather_data_proto`) and `DataProtoFuture` on the test session's local Ray, and
+what code written against `verl.protocol` meets: its names, list columns, None arguments, verl's `collate_fn`, the
+module-level helpers and the `meta_info` merge of `concat`.
 """
 import pickle
 
@@ -10,9 +12,11 @@ import torch
 import torch.multiprocessing as mp
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from xtoken_dp.batch import (AUTO_PADDING_KEY, DataProto, DataProtoFuture, all_gather_data_proto,
-                             all_gather_probe_worker, fold_batch_dim, pad_dataproto_to_divisor, ray_put,
-                             unfold_batch_dim, unpad_dataproto)
+from xtoken_dp.batch import (AUTO_PADDING_KEY, DataProto, DataProtoConfig, DataProtoFuture, all_gather_data_proto,
+                             all_gather_probe_worker, collate_fn, deserialize_single_tensor, deserialize_tensordict,
+                             fold_batch_dim, list_of_dict_to_dict_of_list, pad_dataproto_to_divisor, ray_put,
+                             serialize_single_tensor, serialize_tensordict, unfold_batch_dim, union_numpy_dict,
+                             union_tensor_dict, unpad_dataproto)
 from batch_helpers import rows_of
 from xtoken_dp.codec import LengthsError, object_array
 from xtoken_dp.schema import FieldSpec, Schema, lengths_to_offsets, make_jagged
@@ -293,3 +297,131 @@ def test_data_proto_future_on_a_local_ray(ray_session):
     with pytest.raises(ValueError, match="use split"): future.chunk(4)[0].get()
     with pytest.raises(TypeError, match="future 1 holds a dict"):
         DataProtoFuture.concat([ray_put(dp), ray_put({"x": 1})]).get()
+
+
+# ------------------------------------------------------------------------------- drop-in: the names of verl.protocol
+VERL_PROTOCOL_NAMES = ("DataProto", "DataProtoItem", "DataProtoConfig", "collate_fn", "union_tensor_dict",
+                       "union_numpy_dict", "list_of_dict_to_dict_of_list", "serialize_single_tensor",
+                       "deserialize_single_tensor", "serialize_tensordict", "deserialize_tensordict",
+                       "pad_dataproto_to_divisor", "unpad_dataproto", "fold_batch_dim", "unfold_batch_dim")
+
+
+def test_every_verl_protocol_name_imports_from_dataproto_and_batch():
+    import xtoken_dp.batch as batch
+    import xtoken_dp.columns as columns
+    import xtoken_dp.dataproto as dataproto
+    for name in VERL_PROTOCOL_NAMES:
+        assert getattr(dataproto, name) is getattr(batch, name), name
+        assert name in dataproto.__all__ and name in batch.__all__, name
+    for name in ("union_tensor_dict", "union_numpy_dict", "serialize_tensordict", "tensor_equal"):
+        assert getattr(dataproto, name) is getattr(columns, name)
+    assert batch.DataProtoFuture and batch.all_gather_data_proto  # the Ray and torch.distributed parts live in batch
+
+
+def test_from_dict_takes_list_columns_as_numpy_makes_them_and_leaves_the_callers_dicts():
+    labels, scores, pairs = ["x", "y", "z"], [[], [0.5, 0.8], [0.9]], [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]
+    given = {"labels": labels, "scores": scores, "pairs": pairs, "info": ({"acc": 1.0}, {"acc": 0.0}, {"acc": 1.0})}
+    dp = DataProto.from_dict({"obs": torch.arange(3)}, given, {"step": 1})
+    cols = dp.non_tensor_batch
+    assert all(v.dtype == object for v in cols.values())
+    assert {k: v.shape for k, v in cols.items()} == {"labels": (3,), "scores": (3,), "pairs": (3, 2), "info": (3,)}
+    assert cols["scores"][1] == [0.5, 0.8] and cols["pairs"][2].tolist() == ["c1", "c2"] and cols["info"][1] == {"acc": 0.0}
+    assert given["labels"] is labels and isinstance(given["pairs"], list)  # verl would have replaced them in place
+    row = dp[1]
+    assert row.non_tensor_batch["pairs"].tolist() == ["b1", "b2"] and row.non_tensor_batch["scores"] == [0.5, 0.8]
+    again = DataProto.concat(dp.chunk(3))
+    assert again == dp and again.non_tensor_batch["pairs"].shape == (3, 2)
+    back = DataProto.from_tensordict(dp.to_tensordict())
+    assert back.non_tensor_batch["scores"].tolist() == scores and back.meta_info == {"step": 1}
+    with pytest.raises(TypeError, match=r"non_tensors\['s'\] must be a np.ndarray, list or tuple"):
+        DataProto.from_dict(non_tensors={"s": torch.arange(3)})
+    with pytest.raises(ValueError, match="expected N=3"): DataProto.from_dict({"obs": torch.arange(3)}, {"s": [1, 2]})
+    with pytest.raises(TypeError, match="must be a np.ndarray"): DataProto(non_tensor_batch={"s": ["a"]})
+
+
+def test_none_arguments_mean_empty_as_in_verl():
+    assert len(DataProto(batch=None, non_tensor_batch=None, meta_info={"k": 1})) == 0
+    empty = DataProto(None, None, None)
+    assert (empty.batch, empty.non_tensor_batch, empty.meta_info) == (None, {}, {})
+    only_columns = DataProto.from_dict(non_tensors={"labels": ["a", "b"]}, meta_info={"k": 1})
+    assert only_columns.batch is None and len(only_columns) == 2 and only_columns.meta_info == {"k": 1}
+    assert DataProto.from_dict(tensors=None).batch is None
+    dp = DataProto.from_dict({"obs": torch.zeros(4, 2)}, None, None, 1, True)  # verl's positional order
+    assert dp.meta_info == {AUTO_PADDING_KEY: True} and dp.batch.batch_size == torch.Size([4])
+    for dims in (0, 2, 3):
+        with pytest.raises(ValueError, match="num_batch_dims"): DataProto.from_dict({"obs": torch.zeros(4, 2)}, num_batch_dims=dims)
+
+
+def test_concat_merges_meta_info_as_verl_and_refuses_conflicts():
+    rows = make_rows(6, seed=14)
+    parts = [build(rows[:2], meta={"metrics": [{"loss": 0.5, "acc": 0.9}], "flag": True, "a": 1}),
+             build(rows[2:4], meta={"flag": True, "b": 2, "metrics": None}),
+             build(rows[4:], meta={"metrics": {"loss": 0.6, "acc": 0.8}, "flag": True})]
+    joined = DataProto.concat(parts)
+    assert joined.meta_info == {"metrics": {"loss": [0.5, 0.6], "acc": [0.9, 0.8]}, "flag": True, "a": 1, "b": 2}
+    assert_rows(joined, rows)
+    assert all(p.meta_info.get("metrics", 0) != joined.meta_info["metrics"] for p in parts)  # parts untouched
+    with pytest.raises(ValueError, match="meta_info key 'flag' differs"):
+        DataProto.concat([parts[0], build(rows[2:3], meta={"flag": False})])
+    with pytest.raises(ValueError, match="meta_info key 'x' differs"):
+        DataProto.concat([build(rows[:1], meta={"x": np.array([1.0, np.nan])}), build(rows[1:2], meta={"x": np.array([1.0, 2.0])})])
+    same_nan = {"x": np.array([1.0, np.nan])}
+    assert DataProto.concat([build(rows[:1], meta=same_nan), build(rows[1:2], meta={"x": same_nan["x"].copy()})]).meta_info.keys() == {"x"}
+    with pytest.raises(TypeError, match="list of dicts"): DataProto.concat([build(rows[:1], meta={"metrics": ["loss"]})])
+
+
+def test_collate_fn_rebuilds_jagged_batches_from_rows():
+    rows = make_rows(7, seed=15)
+    dp = build(rows, schema=True, meta={"temperature": 0.7})
+    loader = torch.utils.data.DataLoader(dp, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(0),
+                                         collate_fn=collate_fn)
+    seen = []
+    for part in loader:
+        assert part.meta_info == {} and part.groups == {"g0": ("input_ids", "logprobs", "mask"), "g1": ("topk",)}
+        assert_shared(part)
+        part.validate()
+        seen += rows_of(part)
+    assert sorted(r["uid"] for r in seen) == sorted(r["uid"] for r in rows)
+    by_uid = {r["uid"]: r for r in rows}
+    for got in seen:
+        for key in KEYS: assert same(got[key], by_uid[got["uid"]][key]), key
+    assert_rows(collate_fn([dp[i] for i in (4, 0, 4)]), [rows[i] for i in (4, 0, 4)])
+    assert collate_fn([dp[2]]).batch.get("input_ids").is_nested  # a one-row batch stays jagged
+
+
+def test_helpers_round_trip_and_refuse_conflicts_atomically():
+    rows = make_rows(4, seed=16)
+    dp = build(rows)
+    encoded = serialize_tensordict(dp.batch)
+    assert encoded[0] == (4,) and encoded[2]["input_ids"][0] == "jagged" and len(encoded[2]["topk"][1]) == 4
+    back = DataProto(deserialize_tensordict(pickle.loads(pickle.dumps(encoded))), dp.non_tensor_batch, dp.meta_info)
+    assert_rows(back, rows)
+    assert back.groups == {"g0": ("input_ids", "logprobs", "mask"), "g1": ("topk",)}  # equal lengths share offsets
+    for t in (torch.randn(2, 3).to(torch.bfloat16), torch.tensor([float("nan"), -0.0]), torch.zeros(0, 5, dtype=torch.int32)):
+        again = deserialize_single_tensor(serialize_single_tensor(t))
+        assert again.dtype == t.dtype and again.shape == t.shape and torch.equal(again.view(torch.uint8), t.view(torch.uint8))
+    left = dp.batch.select("input_ids", "reward").clone()
+    with pytest.raises(ValueError, match="key 'reward'"):
+        union_tensor_dict(left, TensorDict({"extra": dp.batch.get("extra"), "reward": torch.zeros(4)}, [4]))
+    assert set(left.keys()) == {"input_ids", "reward"}
+    assert set(union_tensor_dict(left, dp.batch.select("reward", "extra")).keys()) == {"input_ids", "reward", "extra"}
+    columns = {"uid": dp.non_tensor_batch["uid"]}
+    with pytest.raises(ValueError, match="key 'uid'"):
+        union_numpy_dict(columns, {"new": np.arange(4), "uid": object_array("abcd")})
+    assert list(columns) == ["uid"]
+    assert list_of_dict_to_dict_of_list([{"a": 1, "b": 2}, {"a": 3, "b": 4}]) == {"a": [1, 3], "b": [2, 4]}
+    with pytest.raises(ValueError, match="dict 1 has keys"): list_of_dict_to_dict_of_list([{"a": 1, "b": 2}, {"a": 3}])
+
+
+def test_data_proto_config_switches_auto_padding_for_every_batch(monkeypatch):
+    dp = build(make_rows(3, seed=17))
+    assert not dp.is_padding_enabled() and DataProtoConfig.auto_padding_key == AUTO_PADDING_KEY
+    monkeypatch.setattr(DataProtoConfig, "_auto_padding", False)
+    DataProtoConfig.auto_padding = True
+    assert dp.is_padding_enabled() and DataProtoConfig.auto_padding
+    DataProtoConfig.auto_padding = False
+    monkeypatch.setenv("VERL_AUTO_PADDING", "true")
+    assert dp.is_padding_enabled()
+    monkeypatch.setenv("VERL_AUTO_PADDING", "0")
+    assert not dp.is_padding_enabled()
+    with pytest.raises(TypeError, match="auto_padding"): DataProtoConfig.auto_padding = 1

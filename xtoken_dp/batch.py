@@ -26,8 +26,11 @@ from .schema import Schema, SchemaError, make_jagged
 from .codec import LengthsError, PaddingError, StrippedPayloadError, WireBatch, WireFormatError
 from .ragged import (has_seqlen_cache, is_njt, njt_seqlens, njt_values, ragged_cat, ragged_index,
                               ragged_repeat, ragged_slice)
-from .dataproto import (AUTO_PADDING_KEY, DataProto, DataProtoDataset, DataProtoItem, collate_data_protos,
-                                 fold_batch_dim, pad_dataproto_to_divisor, unfold_batch_dim, unpad_dataproto)
+from .dataproto import (AUTO_PADDING_KEY, DataProto, DataProtoConfig, DataProtoDataset, DataProtoItem,
+                                 collate_data_protos, collate_fn, deserialize_single_tensor, deserialize_tensordict,
+                                 fold_batch_dim, list_of_dict_to_dict_of_list, pad_dataproto_to_divisor,
+                                 serialize_single_tensor, serialize_tensordict, unfold_batch_dim, union_numpy_dict,
+                                 union_tensor_dict, unpad_dataproto)
 from .tensorclasses import (DistillBatch, RewardData, TeacherSeq, TokenSeq, build_tensorclass,
                                      flatten_tensorclass)
 from .persistence import BATCH_FORMAT, BATCH_VERSION, MANIFEST_NAME, BatchClassError, BatchDirectoryError
@@ -36,6 +39,8 @@ from .persistence import BATCH_FORMAT, BATCH_VERSION, MANIFEST_NAME, BatchClassE
 __all__ = ['ray_put', 'ray_get', 'transport_probe_worker', 'all_gather_data_proto', 'all_gather_probe_worker', 'DataProtoFuture',
            'ragged_slice', 'ragged_index', 'ragged_cat', 'ragged_repeat', 'DataProto', 'DataProtoItem',
            'DataProtoDataset', 'collate_data_protos', 'AUTO_PADDING_KEY', 'pad_dataproto_to_divisor', 'unpad_dataproto',
+           'DataProtoConfig', 'collate_fn', 'union_tensor_dict', 'union_numpy_dict', 'list_of_dict_to_dict_of_list',
+           'serialize_single_tensor', 'deserialize_single_tensor', 'serialize_tensordict', 'deserialize_tensordict',
            'fold_batch_dim', 'unfold_batch_dim', 'RewardData', 'TokenSeq', 'TeacherSeq', 'DistillBatch',
            'MANIFEST_NAME', 'BATCH_FORMAT', 'BATCH_VERSION', 'BatchDirectoryError', 'BatchClassError', 'LengthsError',
            'PaddingError', 'SchemaError', 'StrippedPayloadError', 'WireFormatError']
@@ -43,6 +48,8 @@ __all__ = ['ray_put', 'ray_get', 'transport_probe_worker', 'all_gather_data_prot
 # %% ../nbs/02d_batch.ipynb #84086277
 _all_ = ["ragged_slice", "ragged_index", "ragged_cat", "ragged_repeat", "DataProto", "DataProtoItem",
          "DataProtoDataset", "collate_data_protos", "AUTO_PADDING_KEY", "pad_dataproto_to_divisor", "unpad_dataproto",
+         "DataProtoConfig", "collate_fn", "union_tensor_dict", "union_numpy_dict", "list_of_dict_to_dict_of_list",
+         "serialize_single_tensor", "deserialize_single_tensor", "serialize_tensordict", "deserialize_tensordict",
          "fold_batch_dim", "unfold_batch_dim", "RewardData", "TokenSeq", "TeacherSeq", "DistillBatch",
          "MANIFEST_NAME", "BATCH_FORMAT", "BATCH_VERSION", "BatchDirectoryError", "BatchClassError",
          "LengthsError", "PaddingError", "SchemaError", "StrippedPayloadError", "WireFormatError"]

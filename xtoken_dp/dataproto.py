@@ -1,6 +1,6 @@
 """verl's batch container, jagged-native: a TensorDict whose token fields share one offsets tensor per group, numpy columns and meta info, with every row operation done once per group.
 
-`DataProto`, verl's batch protocol, jagged-native: a TensorDict of columns, object columns and meta info, with rows, selection, concatenation, splitting and devices, plus the rest of verl's surface (popping and renaming columns, padding to a divisor, per-sample repeats, folding rows, a TensorDict round trip, inspection).
+`DataProto`, verl's batch protocol, jagged-native: a TensorDict of columns, object columns and meta info, with rows, selection, concatenation, splitting and devices, plus the rest of verl's surface (popping and renaming columns, padding to a divisor, per-sample repeats, folding rows, a TensorDict round trip, inspection, `collate_fn`, `DataProtoConfig`) and, re-exported from `xtoken_dp.columns`, verl's module-level helpers (unions of column dicts, `list_of_dict_to_dict_of_list`, the byte encoding of tensors and TensorDicts).
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/dataproto.html.md"""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -23,13 +24,24 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from .core import check_bool, check_int, dtype_name
 from .schema import (DEFAULT_GROUP, FieldSpec, Schema, SchemaError, as_words, compact_jagged, lengths_to_offsets,
                               make_jagged, same_offsets)
+from .columns import (deep_equal, deserialize_single_tensor, deserialize_tensordict,
+                               list_of_dict_to_dict_of_list, numpy_column, serialize_single_tensor,
+                               serialize_tensordict, tensor_equal, union_numpy_dict, union_tensor_dict)
 from .codec import LengthsError, materialize, object_column, object_stack, pack_jagged_fields
 from .ragged import (has_seqlen_cache, is_njt, leaf_dtype, leaf_trailing_shape, map_leaves, njt_seqlens,
                               njt_values, ragged_cat, ragged_gather, ragged_parts, rows_mismatch)
 
 # %% auto #0
-__all__ = ['AUTO_PADDING_KEY', 'DataProto', 'DataProtoItem', 'tensor_equal', 'collate_data_protos', 'DataProtoDataset',
-           'pad_dataproto_to_divisor', 'unpad_dataproto', 'fold_batch_dim', 'unfold_batch_dim']
+__all__ = ['AUTO_PADDING_KEY', 'DataProto', 'DataProtoItem', 'collate_data_protos', 'DataProtoDataset', 'collate_fn',
+           'DataProtoConfig', 'pad_dataproto_to_divisor', 'unpad_dataproto', 'fold_batch_dim', 'unfold_batch_dim',
+           'tensor_equal', 'deep_equal', 'numpy_column', 'union_tensor_dict', 'union_numpy_dict',
+           'list_of_dict_to_dict_of_list', 'serialize_single_tensor', 'deserialize_single_tensor',
+           'serialize_tensordict', 'deserialize_tensordict']
+
+# %% ../nbs/02a_dataproto.ipynb #22865ea0
+_all_ = ["tensor_equal", "deep_equal", "numpy_column", "union_tensor_dict", "union_numpy_dict",
+         "list_of_dict_to_dict_of_list", "serialize_single_tensor", "deserialize_single_tensor",
+         "serialize_tensordict", "deserialize_tensordict"]  # verl.protocol's helpers, defined in xtoken_dp.columns
 
 # %% ../nbs/02a_dataproto.ipynb #99ddd29b
 def _check_leaf_type(key: str, leaf):
@@ -157,14 +169,16 @@ def _check_kinds(schema: Schema | None, batch: TensorDictBase | None):
 class DataProto:
     "A batch: a TensorDict of tensors (token fields jagged, offsets shared per group), numpy columns and meta info."
     batch: TensorDictBase | None = None  # batch_size [N]: the wire layout minus object columns
-    non_tensor_batch: dict = field(default_factory=dict)  # name -> np.ndarray with N rows
-    meta_info: dict = field(default_factory=dict)  # free-form, not batched
+    non_tensor_batch: dict | None = field(default_factory=dict)  # name -> np.ndarray with N rows (None: no columns)
+    meta_info: dict | None = field(default_factory=dict)  # free-form, not batched (None: empty)
     schema: Schema | None = field(default=None, kw_only=True)  # optional declaration of the columns and groups
 
     def __post_init__(self): self._check(trusted=False)
 
     def _check(self, trusted: bool):
         "Check the invariants (re-pointing equal offsets); `trusted` skips what derived batches already guarantee."
+        if self.non_tensor_batch is None: self.non_tensor_batch = {}  # verl's DataProto(non_tensor_batch=None)
+        if self.meta_info is None: self.meta_info = {}
         batch = self.batch
         if batch is not None:
             if not isinstance(batch, TensorDictBase):
@@ -202,6 +216,7 @@ class DataProtoItem:
     batch: TensorDictBase | None = None  # the row's tensors
     non_tensor_batch: dict = field(default_factory=dict)  # the row's objects
     meta_info: dict = field(default_factory=dict)  # a shallow copy of the batch's meta_info
+    groups: dict = field(default_factory=dict, kw_only=True)  # group name -> token fields: rows `collate_fn` joins jagged
 
 # %% ../nbs/02a_dataproto.ipynb #ee7ca478
 @dataclass
@@ -323,7 +338,8 @@ def _row(self: DataProto, i: int) -> DataProtoItem:
                 leaves[key] = njt_values(leaf)[start:stop]
             else: leaves[key] = leaf[i]
         batch = TensorDict(leaves, batch_size=[], device=self.batch.device)
-    return DataProtoItem(batch, {k: v[i] for k, v in self.non_tensor_batch.items()}, dict(self.meta_info))
+    return DataProtoItem(batch, {k: v[i] for k, v in self.non_tensor_batch.items()}, dict(self.meta_info),
+                         groups=self.groups)
 
 
 def _part_leaves(batch: TensorDictBase, bounds: Sequence[int]) -> list[dict]:
@@ -439,54 +455,6 @@ def select(self: DataProto, batch_keys=None, # tensor keys to keep (None: all)
     return type(self)._make(batch, columns, meta, _restrict(self.schema, keep))
 
 # %% ../nbs/02a_dataproto.ipynb #2c6cf1b9
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    "True when `a` and `b` are the same elements of the same memory (no data read)."
-    if a is b: return True
-    if a.is_nested or b.is_nested or a.device != b.device or a.dtype != b.dtype or a.shape != b.shape: return False
-    return a.stride() == b.stride() and a.storage_offset() == b.storage_offset() and a.device.type != "meta" and \
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _dense_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape: return False
-    if _same_view(a, b) or torch.equal(a, b): return True
-    if not (a.is_floating_point() or a.is_complex()): return False
-    b = b.to(a.device)
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
-
-
-def tensor_equal(a, # a dense or jagged tensor
-                 b, # another
-                ) -> bool:
-    "Equal dtype, shape and values (NaN == NaN); jagged tensors compare offsets then values."
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)): return False
-    if is_njt(a) != is_njt(b) or a.is_nested != b.is_nested: return False
-    if not is_njt(a): return _dense_equal(a, b)
-    a, b = compact_jagged(a), compact_jagged(b)
-    same_rows = a.offsets() is b.offsets() or _dense_equal(a.offsets(), b.offsets().to(a.offsets().device))
-    return same_rows and _dense_equal(njt_values(a), njt_values(b))
-
-
-def _deep_equal(a, b) -> bool:
-    "Deep equality of Python objects, numpy arrays and tensors; NaN equals NaN."
-    if a is b: return True
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.dtype != object: return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-        return all(_deep_equal(x, y) for x, y in zip(a.ravel(), b.ravel()))
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor): return tensor_equal(a, b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return type(a) == type(b) and a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) == type(b) and len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
-    try: equal = a == b
-    except Exception: return False
-    if isinstance(equal, (bool, np.bool_)) and equal: return True
-    try: return bool(a != a) and bool(b != b)  # both NaN
-    except Exception: return False
-
-
 @patch
 def equals(self: DataProto, other) -> bool:
     "Same class, columns, values (NaN == NaN), row structure, meta_info and schema."
@@ -495,7 +463,7 @@ def equals(self: DataProto, other) -> bool:
     if self.batch is not None:
         if list(self.batch.keys()) != list(other.batch.keys()): return False
         if not all(tensor_equal(self.batch.get(k), other.batch.get(k)) for k in self.batch.keys()): return False
-    return _deep_equal(self.non_tensor_batch, other.non_tensor_batch) and _deep_equal(self.meta_info, other.meta_info)
+    return deep_equal(self.non_tensor_batch, other.non_tensor_batch) and deep_equal(self.meta_info, other.meta_info)
 
 
 @patch
@@ -552,10 +520,10 @@ def _check_union(self: DataProto, other: DataProto):
             if key in self.batch.keys() and not tensor_equal(self.batch.get(key), other.batch.get(key)):
                 raise ValueError(f"union: batch key {key!r} holds different data in the two batches")
     for key, value in other.non_tensor_batch.items():
-        if key in self.non_tensor_batch and not _deep_equal(self.non_tensor_batch[key], value):
+        if key in self.non_tensor_batch and not deep_equal(self.non_tensor_batch[key], value):
             raise ValueError(f"union: non_tensor_batch key {key!r} holds different objects in the two batches")
     for key, value in other.meta_info.items():
-        if key in self.meta_info and not _deep_equal(self.meta_info[key], value):
+        if key in self.meta_info and not deep_equal(self.meta_info[key], value):
             raise ValueError(f"union: meta_info key {key!r} differs: {self.meta_info[key]!r} vs {value!r}")
 
 
@@ -649,14 +617,23 @@ def _concat_groups(parts: list) -> list[list[str]]:
     return list(groups.values())
 
 # %% ../nbs/02a_dataproto.ipynb #addad660
+def _metric_entries(value, i: int) -> list:
+    "The metrics dicts of part `i`'s `meta_info['metrics']` (a dict, a list of dicts, or None)."
+    entries = [] if value is None else [value] if isinstance(value, dict) else list(value)
+    bad = next((e for e in entries if not isinstance(e, Mapping)), None)
+    if bad is not None:
+        raise TypeError(f"concat: meta_info['metrics'] of part {i} must be a dict or a list of dicts; it holds a {type(bad).__name__}")
+    return entries
+
+
 def _merge_meta(parts: list) -> dict:
-    "meta_info of concat: keys must agree across the parts that have them; `metrics` dicts become dicts of lists."
+    "meta_info of concat, merged as verl merges it: a key in several parts must agree; `metrics` (a dict or a list of dicts per part, None skipped) are gathered into one dict of lists."
     merged, metrics = {}, []
     for i, p in enumerate(parts):
         for key, value in p.meta_info.items():
-            if key == "metrics" and isinstance(value, (dict, list)):
-                metrics.extend(value if isinstance(value, list) else [value]); continue
-            if key in merged and not _deep_equal(merged[key], value):
+            if key == "metrics" and (value is None or isinstance(value, (dict, list))):
+                metrics += _metric_entries(value, i); continue
+            if key in merged and not deep_equal(merged[key], value):
                 raise ValueError(f"concat: meta_info key {key!r} differs between parts ({merged[key]!r} vs {value!r} in part {i})")
             merged.setdefault(key, value)
     if metrics:
@@ -782,6 +759,51 @@ class DataProtoDataset(torch.utils.data.Dataset):
         "A whole mini-batch in one gather (torch's fetcher calls this, then the collate_fn)."
         return [self.dp[list(indices)]]
 
+# %% ../nbs/02a_dataproto.ipynb #cd44780f
+def _check_items(x) -> list:
+    "`x` as a non-empty list of DataProtoItems with the same keys and groups."
+    items = list(x) if isinstance(x, (list, tuple)) else []
+    if not items: raise ValueError(f"collate_fn needs a non-empty list of DataProtoItem, got {x!r}")
+    for i, item in enumerate(items):
+        if not isinstance(item, DataProtoItem):
+            raise TypeError(f"collate_fn: item {i} is a {type(item).__name__}, not a DataProtoItem"
+                            f"{' (collate_data_protos joins DataProtos)' if isinstance(item, DataProto) else ''}")
+    first = items[0]
+    keys = lambda item: (None if item.batch is None else set(item.batch.keys()), set(item.non_tensor_batch), item.groups)
+    for i, item in enumerate(items[1:], 1):
+        if keys(item) != keys(first):
+            raise ValueError(f"collate_fn: item {i} has (batch keys, non_tensor_batch keys, groups) {keys(item)}, item 0 {keys(first)}")
+    return items
+
+
+def _collated(key: str, rows: list, group: str | None, shared: dict) -> torch.Tensor:
+    "One tensor column of `collate_fn`: rows stacked, or joined as a jagged field (one offsets tensor per group and lengths)."
+    first = rows[0]
+    bad = next((r for r in rows if not isinstance(r, torch.Tensor) or r.dtype != first.dtype), None)
+    if bad is not None: raise TypeError(f"collate_fn: the rows of {key!r} must be tensors of one dtype, got {type(bad).__name__} {getattr(bad, 'dtype', '')}")
+    if group is None and all(r.shape == first.shape for r in rows): return torch.stack(rows)
+    if any(r.dim() == 0 or r.shape[1:] != first.shape[1:] for r in rows):
+        raise ValueError(f"collate_fn: the rows of {key!r} have shapes {[tuple(r.shape) for r in rows[:8]]}; jagged rows "
+                         f"need one trailing shape")
+    lengths = tuple(r.shape[0] for r in rows)
+    if (group, lengths) not in shared:
+        shared[group, lengths] = lengths_to_offsets(torch.tensor(lengths, dtype=torch.int64, device=first.device))
+    return make_jagged(torch.cat(rows), shared[group, lengths])
+
+
+def collate_fn(x: list # DataProtoItems, one per row (what a DataLoader over a DataProto fetches)
+              ) -> DataProto:
+    "verl's collate_fn: rows into one DataProto (no meta_info), tensors stacked, token fields jagged again, object columns as `np.array(values, dtype=object)`."
+    items = _check_items(x)
+    first, batch = items[0], None
+    if first.batch is not None:
+        group_of = {k: g for g, keys in first.groups.items() for k in keys}
+        shared = {}
+        leaves = {k: _collated(k, [item.batch.get(k) for item in items], group_of.get(k), shared) for k in first.batch.keys()}
+        batch = TensorDict(leaves, batch_size=[len(items)], device=first.batch.device)
+    columns = list_of_dict_to_dict_of_list([item.non_tensor_batch for item in items])
+    return DataProto(batch, {k: numpy_column(v, f"non_tensor_batch[{k!r}]") for k, v in columns.items()})
+
 # %% ../nbs/02a_dataproto.ipynb #7d4950dd
 @patch
 def to(self: DataProto, device, # target device
@@ -808,15 +830,23 @@ AUTO_PADDING_KEY = "_verl_auto_padding"  # the meta_info flag of auto-padding (v
 
 
 @patch(cls_method=True)
-def from_dict(cls: DataProto, tensors: Mapping, # column name -> tensor (padded `(N, S, ...)`, NJT or dense)
-              non_tensors: Mapping | None = None, # column name -> np.ndarray with N rows
+def from_dict(cls: DataProto, tensors: Mapping | None = None, # column name -> tensor (padded `(N, S, ...)`, NJT or dense)
+              non_tensors: Mapping | None = None, # column name -> np.ndarray, list or tuple of N items (`numpy_column`)
               meta_info: dict | None = None, # free-form meta info
+              num_batch_dims: int = 1, # verl's argument; a DataProto has one batch dim, so it must be 1
+              auto_padding: bool = False, # set `meta_info[AUTO_PADDING_KEY]` (see `is_padding_enabled`)
               *, schema: Schema | None = None, # declares kinds, dtypes and groups of the columns
               lengths=None, # `(N,)` lengths (one group) or Mapping[group, lengths]: which padded columns to cut
-              auto_padding: bool = False, # set `meta_info[AUTO_PADDING_KEY]` (see `is_padding_enabled`)
              ) -> DataProto:
-    "A DataProto from columns, packed into the wire layout by `codec.pack_jagged_fields`; `auto_padding` sets the flag in a copy of `meta_info` (verl writes it into the caller's dict)."
+    "A DataProto from columns, packed into the wire layout by `codec.pack_jagged_fields`; list columns become numpy columns as verl makes them, and the dicts passed in are not modified (verl writes the converted columns and the padding flag into them)."
+    if check_int("num_batch_dims", num_batch_dims, minimum=1) != 1:
+        raise ValueError(f"num_batch_dims must be 1: a DataProto has exactly one batch dim, got {num_batch_dims} "
+                         f"(fold_batch_dim makes rows of rows)")
+    tensors = {} if tensors is None else tensors
     if not isinstance(tensors, Mapping): raise TypeError(f"tensors must be a Mapping, got {type(tensors).__name__}")
+    if not isinstance(non_tensors, (Mapping, type(None))):
+        raise TypeError(f"non_tensors must be a Mapping, got {type(non_tensors).__name__}")
+    columns = {k: numpy_column(v, f"non_tensors[{k!r}]") for k, v in (non_tensors or {}).items()}
     batch = None
     if tensors:
         tensor_schema = None if schema is None else _restrict(schema, {s.name for s in schema if s.kind != "object"})
@@ -824,7 +854,7 @@ def from_dict(cls: DataProto, tensors: Mapping, # column name -> tensor (padded 
     elif lengths is not None: raise ValueError("lengths were given but there are no tensors to pack")
     meta = {} if meta_info is None else meta_info
     if check_bool("auto_padding", auto_padding): meta = {**meta, AUTO_PADDING_KEY: True}
-    return cls(batch, dict(non_tensors or {}), meta, schema=schema)
+    return cls(batch, columns, meta, schema=schema)
 
 
 @patch(cls_method=True)
@@ -979,10 +1009,28 @@ def _joined(first: DataProto, parts: list) -> DataProto:
     return joined
 
 
+class _DataProtoConfigMeta(type):
+    "Class-level switches of `DataProtoConfig`, read and set on the class itself (as verl's)."
+    auto_padding_key = AUTO_PADDING_KEY
+
+    @property
+    def auto_padding(cls) -> bool:
+        "On when set here, or when the environment variable `VERL_AUTO_PADDING` is 1 or true (verl's switch)."
+        return cls._auto_padding or os.environ.get("VERL_AUTO_PADDING", "FALSE").upper() in ("TRUE", "1")
+
+    @auto_padding.setter
+    def auto_padding(cls, enabled: bool): cls._auto_padding = check_bool("auto_padding", enabled)
+
+
+class DataProtoConfig(metaclass=_DataProtoConfigMeta):
+    "verl's process-wide switch: `DataProtoConfig.auto_padding = True` turns auto-padding on for every batch."
+    _auto_padding = False
+
+
 @patch
 def is_padding_enabled(self: DataProto) -> bool:
-    "True when `meta_info[AUTO_PADDING_KEY]` is set; unlike verl there is no process-wide switch or environment variable, so the flag travels with the batch and nothing else."
-    return bool(self.meta_info.get(AUTO_PADDING_KEY, False))
+    "True when the batch carries `meta_info[AUTO_PADDING_KEY]` or `DataProtoConfig.auto_padding` is on (verl's rule)."
+    return bool(self.meta_info.get(AUTO_PADDING_KEY, False)) or DataProtoConfig.auto_padding
 
 
 @patch
