@@ -66,7 +66,8 @@ def _check_reward_data(rd):
     ids, dims = rd.input_ids, rd.batch_dims
     if not isinstance(ids, torch.Tensor): raise TypeError(f"input_ids must be a tensor, got {type(ids).__name__}")
     if not is_njt(ids) and ids.dim() != dims + 1:
-        raise ValueError(f"input_ids must be padded (N, S) or jagged (N, j), got shape {tuple(ids.shape)}")
+        raise ValueError(f"input_ids must be padded (N, S) or jagged (N, j) under batch_size [N], got shape "
+                         f"{tuple(ids.shape)} under batch_size {list(rd.batch_size)}{' (pass batch_size=[N])' if dims == 0 else ''}")
     _share(rd, "attention_mask", _check_like("attention_mask", rd.attention_mask, ids, "input_ids", dims))
     if rd.rewards is not None: _share(rd, "rewards", _check_like("rewards", rd.rewards, ids, "input_ids", dims))
     if rd.end_scores is not None and (not isinstance(rd.end_scores, torch.Tensor) or rd.end_scores.dim() != dims):
