@@ -8,12 +8,15 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #842bd91e
 from __future__ import annotations
+import _compat_pickle
 import argparse
+import io
 import operator
+import pickletools
 import numpy as np
 
 # %% auto #0
-__all__ = ['check_int', 'check_bool', 'offsets_of', 'dtype_name', 'one_line', 'CommandLineParser']
+__all__ = ['check_int', 'check_bool', 'offsets_of', 'dtype_name', 'one_line', 'CommandLineParser', 'pickled_globals']
 
 # %% ../nbs/00_core.ipynb #fd58a9a7
 def check_int(name: str,           # the argument's name, as the caller knows it
@@ -69,3 +72,25 @@ class CommandLineParser(argparse.ArgumentParser):
     "`argparse.ArgumentParser` whose usage errors are one line on stderr and exit status 2."
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+# %% ../nbs/00_core.ipynb #bef99ec1
+_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+
+def pickled_globals(data:bytes, # the bytes of a file that holds pickles back to back (torch's legacy format holds several)
+                   ) -> list:
+    "Every global the pickles in `data` would import, in order, read from their opcodes (nothing is unpickled)."
+    stream, found, memo, recent = io.BytesIO(data), [], {}, []
+    while stream.tell() < len(data):
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("GLOBAL", "INST"):   # protocols 0-2 spell Python 2 names, which Python 3 maps on load
+                    module, name = arg.split(" ", 1)
+                    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+                    found.append(f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}")
+                elif op.name == "STACK_GLOBAL" and len(recent) >= 2: found.append(f"{recent[-2]}.{recent[-1]}")
+                elif op.name == "MEMOIZE": memo[len(memo)] = recent[-1] if recent else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"): memo[arg] = recent[-1] if recent else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"): recent.append(memo.get(arg))
+                elif op.name in _STRING_OPS: recent.append(arg)
+        except Exception: break   # raw storage bytes after the pickles, or a truncated file: nothing more to name
+    return list(dict.fromkeys(name for name in found if name))

@@ -8,9 +8,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/projection.html.md"""
 
 # %% ../nbs/05_projection.ipynb #1fd72760
 from __future__ import annotations
-import _compat_pickle
-import argparse, contextlib, dataclasses, io, itertools, json, logging, math, numbers, os, pickletools, resource
-import sys, tempfile
+import argparse, contextlib, dataclasses, itertools, json, logging, math, numbers, os, resource, sys, tempfile
 import threading, time, warnings
 from collections import namedtuple
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 from fastcore.basics import patch
 from tqdm import tqdm
 import xtoken_dp
-from .core import check_int
+from .core import check_int, pickled_globals
 
 # %% auto #0
 __all__ = ['DenseProjection', 'DEFAULT_ROLE_EQUIVALENCE', 'UNPAIRED_ROLES', 'FAITHFUL', 'APPROXIMATE', 'UNMAPPED', 'STATUS_NAMES',
@@ -57,26 +55,6 @@ def _global_name(obj): return f"{obj.__module__}.{obj.__qualname__}"
 
 _LOAD_LOCK = threading.Lock()
 
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
-
-def _pickled_globals(data:bytes) -> list:
-    "Every global named by the pickles stored back to back in `data` (a legacy torch file holds several), in order."
-    stream, found, memo, recent = io.BytesIO(data), [], {}, []
-    while stream.tell() < len(data):
-        try:
-            for op, arg, _ in pickletools.genops(stream):
-                if op.name in ("GLOBAL", "INST"):   # protocols 0-2 spell Python 2 names, which Python 3 maps on load
-                    module, name = arg.split(" ", 1)
-                    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-                    found.append(f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}")
-                elif op.name == "STACK_GLOBAL" and len(recent) >= 2: found.append(f"{recent[-2]}.{recent[-1]}")
-                elif op.name == "MEMOIZE": memo[len(memo)] = recent[-1] if recent else None
-                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"): memo[arg] = recent[-1] if recent else None
-                elif op.name in ("GET", "BINGET", "LONG_BINGET"): recent.append(memo.get(arg))
-                elif op.name in _STRING_OPS: recent.append(arg)
-        except Exception: break   # raw storage bytes after the pickles, or a truncated file: nothing more to name
-    return list(dict.fromkeys(name for name in found if name))
-
 def _refused_globals(path):
     "Names of the globals in the file at `path` that the safe loader does not allow ([] if it names none)."
     allowed = {_global_name(g) for g in _numpy_safe_globals()}
@@ -84,7 +62,7 @@ def _refused_globals(path):
     except Exception:   # not a zip archive: a plain pickle or torch's legacy format, scanned opcode by opcode
         try: safe = set(torch._weights_only_unpickler._get_allowed_globals())
         except Exception: safe = set()
-        found = [name for name in _pickled_globals(Path(path).read_bytes()) if name not in safe]
+        found = [name for name in pickled_globals(Path(path).read_bytes()) if name not in safe]
     return [name for name in found if name not in allowed]
 
 # %% ../nbs/05_projection.ipynb #1cb50861
