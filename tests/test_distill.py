@@ -26,9 +26,11 @@ from xtoken_dp.distill import (ARMS, DEFAULT_ARMS, PRESETS, STUDENT_CTX, TEACHER
                                bits_per_byte, demo_projection, load_corpus, make_eval_set, plan_windows,
                                run_demo, student_config, train_student, train_teacher, train_tokenizers)
 from xtoken_dp.cli import main as cli_main
-from xtoken_dp.distill import (_BLOCK_BYTES, _EOS_TOKEN, _ArmStack, _StepBatcher, _alignment_checks,  # internals
-                               _clip_grad_norm_per_arm_, _curves_figure, _is_heldout, _make_optimizer, _next_token_ce,
-                               _wait_all, _wrap_tokenizer)
+from xtoken_dp.distill.corpus import _BLOCK_BYTES, _EOS_TOKEN, _is_heldout, _wrap_tokenizer  # internals
+from xtoken_dp.distill.windows import StepBatcher, alignment_checks
+from xtoken_dp.distill.model import ArmStack, clip_grad_norm_per_arm_, make_optimizer, next_token_ce
+from xtoken_dp.distill.report import _curves_figure
+from xtoken_dp.distill.run import _wait_all
 
 CACHE = Path(os.environ.get("XTOKEN_DP_CACHE", Path.home() / ".cache" / "xtoken_dp")) / "distill"
 NBS = Path(__file__).resolve().parent.parent / "nbs"
@@ -238,7 +240,7 @@ def test_dm4_quick_run_records_equal_step0_ce(quick_run):
 # The batched arms against the sequential per-arm path ---------------------------------------------------------------
 
 def test_batched_arms_match_sequential_path(corpus, parts):
-    "One _ArmStack forward/backward per step computes what one model and one optimiser per arm compute."
+    "One ArmStack forward/backward per step computes what one model and one optimiser per arm compute."
     toks, teacher, projection = parts
     sides = {"student": (toks.student, STUDENT_CTX), "teacher": (toks.teacher, TEACHER_CTX)}
     plan = plan_windows(corpus.train_text, sides, steps=4, batch_size=16, seed=5)
@@ -264,16 +266,16 @@ def test_stacked_optimizer_and_clipping_match_per_model():
     torch.manual_seed(0)
     models = [TinyGPT(student_config(40)) for _ in range(3)]
     references = [copy.deepcopy(m) for m in models]
-    stack = _ArmStack(models)
+    stack = ArmStack(models)
     train = TrainConfig()
-    opt, sched = _make_optimizer(stack, train, 10)
-    ref_opts = [_make_optimizer(m, train, 10) for m in references]
+    opt, sched = make_optimizer(stack, train, 10)
+    ref_opts = [make_optimizer(m, train, 10) for m in references]
     ids = torch.randint(0, 40, (4, 12))
     scales = [1e-3, 1.0, 300.0]  # below, near and far above the clipping norm
     for _ in range(3):
         opt.zero_grad()
         sum(s * l.square().mean() for s, l in zip(scales, stack(ids))).backward()
-        _clip_grad_norm_per_arm_(stack.parameters(), train.clip_norm)
+        clip_grad_norm_per_arm_(stack.parameters(), train.clip_norm)
         opt.step(); sched.step()
         for m, (o, sch), s in zip(references, ref_opts, scales):
             o.zero_grad(); (s * m(ids).square().mean()).backward()
@@ -290,9 +292,9 @@ def test_next_token_ce_global_normalizer():
     torch.manual_seed(0)
     logits, ids = torch.randn(4, 6, 9), torch.randint(0, 9, (4, 6))
     mask = torch.ones(4, 6, dtype=torch.bool); mask[1, 4:] = False
-    whole = _next_token_ce(logits, ids, mask)
+    whole = next_token_ce(logits, ids, mask)
     n = float(mask[:, 1:].sum())
-    halves = sum(_next_token_ce(logits[r], ids[r], mask[r], normalizer=n) for r in (slice(0, 2), slice(2, 4)))
+    halves = sum(next_token_ce(logits[r], ids[r], mask[r], normalizer=n) for r in (slice(0, 2), slice(2, 4)))
     assert torch.allclose(whole, halves, rtol=1e-6)
 
 
@@ -335,13 +337,13 @@ def test_dm6_alignment_of_training_windows(corpus, parts):
     sides = {"student": (toks.student, STUDENT_CTX), "teacher": (toks.teacher, TEACHER_CTX)}
     windows = [w for step in plan_windows(corpus.train_text, sides, steps=4, batch_size=16, seed=11).windows for w in step]
     windows += ["naïve café 東京 🙂 12345 <pad> <|endoftext|>", "\t\t  x\r\n", "a"]
-    batcher = _StepBatcher(toks.student, toks.teacher)
-    checks = _alignment_checks(batcher.align(windows), windows, toks.student, toks.teacher)
+    batcher = StepBatcher(toks.student, toks.teacher)
+    checks = alignment_checks(batcher.align(windows), windows, toks.student, toks.teacher)
     assert checks["boundary_errors"] == 0 and checks["valid_byte_coverage"] >= 0.95, checks
     # an alignment shifted by one byte is caught: the check can fail
     result = batcher.align(windows[:2])
     result.samples[0].chunk_end[1:] += 1
-    assert _alignment_checks(result, windows[:2], toks.student, toks.teacher)["boundary_errors"] > 0
+    assert alignment_checks(result, windows[:2], toks.student, toks.teacher)["boundary_errors"] > 0
 
 
 # DM7: quick preset end to end --------------------------------------------------------------------------------------
