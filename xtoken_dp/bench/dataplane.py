@@ -48,20 +48,20 @@ def measure(plane: TransferQueueDataPlane, # a bootstrapped plane (its Ray is th
     wire, names = wire_batch(case)
     keys, part = [f"row{i}" for i in range(case.n)], "bench"
     plane.register_partition(part)
-    meta = plane.put_samples(part, keys, wire)
+    meta = plane.put_samples(keys, part, wire)
     ray, tq = plane.ray, plane.tq
     payload = [wire.get(k).values() for k in names] + [wire.get(names[0]).offsets()]
-    fns = {"transferqueue put+get": lambda: plane.get_samples(plane.put_samples(part, keys, wire), names),
-           "transferqueue put": lambda: plane.put_samples(part, keys, wire),
-           "transferqueue get": lambda: plane.get_samples(meta, names),
-           "transferqueue put+get, tensor rows": lambda: with_row_format(plane, "tensors", lambda: plane.get_samples(
-               plane.put_samples(part, keys, wire), names)),
+    fns = {"transferqueue put+get": lambda: plane.get_by_meta(plane.put_samples(keys, part, wire), names),
+           "transferqueue put": lambda: plane.put_samples(keys, part, wire),
+           "transferqueue get": lambda: plane.get_by_meta(meta, names),
+           "transferqueue put+get, tensor rows": lambda: with_row_format(plane, "tensors", lambda: plane.get_by_meta(
+               plane.put_samples(keys, part, wire), names)),
            "transferqueue raw put+get": lambda: (tq.kv_batch_put(keys=keys, partition_id=part, fields=wire),
                                                  tq.kv_batch_get(keys=keys, partition_id=part, select_fields=names)),
            "ray put+get": lambda: ray.get(ray.put(wire)),
            "memcpy": lambda: memcpy(payload)}
     timings = time_many(fns, repeats=repeats)
-    plane.clear_samples(meta)
+    plane.clear_samples(meta.sample_ids, part)
     return timings, tensor_nbytes(wire)
 
 # %% ../../nbs/12i_bench_dataplane.ipynb #ef0ccf34
