@@ -14,6 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from xtoken_dp import losses as L
+# the submodules whose globals a test sets, and the internals a test calls, where they live
+from xtoken_dp.losses import blocks as LB, chunks as LC, fused as LF, modes as LM, uld_routes as LU
 from losses_helpers import HIDDEN, V_S, V_T, W_S, W_T, data_for, every_config, rows_of, write_projections, spec
 
 BLOCK_SIZES = (1, 2, 3, 7, "T")
@@ -67,12 +69,12 @@ def test_terms_on_the_valid_chunks_rows_equal_the_full_pass(dense, name, monkeyp
     batch, student, teachers = data_for(config, 47, masked=(1, 2))
     results = {}
     for share in (0.0, 1.0):  # 0: every term reads every row; 1: terms drop the rows of gated-off chunks whenever any exist
-        monkeypatch.setattr(L, "KEEP_SHARE", share)
+        monkeypatch.setattr(LM, "KEEP_SHARE", share)
         results[share] = [loss_grad_metrics(config, student, batch, teachers, block_size=size) for size in (None, 3)]
         results[share, "per_chunk"] = L.per_chunk_losses(student, batch, teachers, config=config)
     if config.teachers[0].mode not in ("topk_kl", "alm"):  # the fixture has gated-off chunks: the rows are really dropped
-        chunks = L._Microbatch(student, batch, config).chunks(0, teachers[0].shape[1])
-        assert L._kept_positions(chunks.sigma, chunks.tau, chunks.valid).s_index.numel() < chunks.sigma.numel()
+        chunks = LC.Microbatch(student, batch, config).chunks(0, teachers[0].shape[1])
+        assert LM.kept_positions(chunks.sigma, chunks.tau, chunks.valid).s_index.numel() < chunks.sigma.numel()
     for full, kept, size in zip(results[0.0], results[1.0], (None, 3)):
         assert_equal_results(kept, full, 1e-12, f"{name}, block_size={size}")
     full, kept = results[0.0, "per_chunk"], results[1.0, "per_chunk"]
@@ -230,7 +232,7 @@ def test_fused_lm_head_equals_the_logits_path(dense, name, with_bias):
 
 @pytest.mark.parametrize("rows", (1, 7, 10 ** 9))
 def test_fused_lm_head_gradient_summed_over_queued_blocks_matches(dense, rows, monkeypatch):
-    monkeypatch.setattr(L, "FUSED_WEIGHT_ROWS", rows)  # 1: after every block; 7: queues of 3-4 blocks of 2; 10**9: at the end
+    monkeypatch.setattr(LF, "FUSED_WEIGHT_ROWS", rows)  # 1: after every block; 7: queues of 3-4 blocks of 2; 10**9: at the end
     config = configs(dense)["pkl"]
     batch, _, teachers = data_for(config, 63)
     hidden, weight, bias = fused_inputs(64, batch)
@@ -350,8 +352,8 @@ def test_a_blockwise_pass_waits_for_the_device_no_more_with_more_blocks(dense, n
     "The loss's device syncs are per microbatch: cutting it into 3x as many blocks adds none (a GPU never idles per block)."
     config = configs(dense)[name]
     batch, student, teachers = data_for(config, 5, dtype=torch.float32, chunks=(14, 20))
-    blocks, block_parts = [0], L._block_parts
-    monkeypatch.setattr(L, "_block_parts", lambda *a: (blocks.__setitem__(0, blocks[0] + 1), block_parts(*a))[1])
+    blocks, block_parts = [0], LB._block_parts
+    monkeypatch.setattr(LB, "_block_parts", lambda *a: (blocks.__setitem__(0, blocks[0] + 1), block_parts(*a))[1])
     loss_grad_metrics(config, student, batch, teachers, block_size=12)  # loads the projection files into their caches
     counts = {}
     for size in (12, 3):
@@ -374,8 +376,8 @@ def test_uld_sorts_16_bit_logits_as_their_probabilities(k, kappas):
     "ULD's sort of 16-bit logits (softmax keeps their order) gives the sort of their probabilities: values and gradient."
     g = torch.Generator().manual_seed(k)
     a, b, w = distinct_bf16(g, (3, 4, 11)).requires_grad_(), distinct_bf16(g, (3, 4, 9)), torch.randn(3, 4, generator=g)
-    ours = L._SortedSoftmaxL1.apply(a, b, *kappas, k, torch.bfloat16, torch.bfloat16)
-    ref = L._sorted_l1(torch.softmax(a / kappas[0], -1), torch.softmax(b / kappas[1], -1), k)
+    ours = LU._SortedSoftmaxL1.apply(a, b, *kappas, k, torch.bfloat16, torch.bfloat16)
+    ref = LU.sorted_l1(torch.softmax(a / kappas[0], -1), torch.softmax(b / kappas[1], -1), k)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # fp32: the probabilities round in another order
     (grad,), (grad_ref,) = (torch.autograd.grad((x * w).sum(), a) for x in (ours, ref))
     assert grad.abs().max() > 0
@@ -405,8 +407,8 @@ def test_uld_counts_16_bit_logits_as_a_sort_of_their_probabilities(dtype, k, kap
     g = torch.Generator().manual_seed(k)
     a, b, w = tied_16_bit(g, (70, 200), scale, dtype), tied_16_bit(g, (70, 150), scale, dtype), torch.randn(70, generator=g)
     a64 = a.double().requires_grad_()
-    ref = L._sorted_l1(torch.softmax(a64 / kappas[0], -1), torch.softmax(b.double() / kappas[1], -1), k)
-    ours = L._CountedSoftmaxL1.apply(a.requires_grad_(), b, *kappas, k, dtype, dtype)
+    ref = LU.sorted_l1(torch.softmax(a64 / kappas[0], -1), torch.softmax(b.double() / kappas[1], -1), k)
+    ours = LU._CountedSoftmaxL1.apply(a.requires_grad_(), b, *kappas, k, dtype, dtype)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-7)
     (grad,), (grad_ref,) = torch.autograd.grad((ours * w).sum(), a), torch.autograd.grad((ref * w.double()).sum(), a64)
     (sums, runs), (sums_ref, _) = run_sums(grad, a.detach()), run_sums(grad_ref, a.detach())
@@ -423,13 +425,13 @@ def test_uld_counting_waits_for_no_device_and_counts_the_same():
 
     def loss_grad():
         x = a.clone().requires_grad_()
-        loss = L._CountedSoftmaxL1.apply(x, b, 1.5, 1.0, 200, torch.bfloat16, torch.bfloat16)
+        loss = LU._CountedSoftmaxL1.apply(x, b, 1.5, 1.0, 200, torch.bfloat16, torch.bfloat16)
         return loss, torch.autograd.grad(loss.sum(), x)[0]
 
     on_host = loss_grad()
     assert device_syncs(loss_grad) > 0  # the host picks the held bins
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(L, "HOST_DEVICES", ())
+        m.setattr(LU, "HOST_DEVICES", ())
         on_device = loss_grad()
         assert device_syncs(loss_grad) == 0
     for got, expected in zip(on_device, on_host): torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
@@ -440,8 +442,8 @@ def test_uld_counting_keeps_softmax_on_infinities_and_nan():
     g = torch.Generator().manual_seed(6)
     a, b = tied_16_bit(g, (4, 60), 2.0, torch.bfloat16), tied_16_bit(g, (4, 50), 2.0, torch.bfloat16)
     a[0, 3], b[1, 7], a[2, :20], b[3, 10:] = math.nan, math.inf, -math.inf, -math.inf
-    ours = L._CountedSoftmaxL1.apply(a.requires_grad_(), b, 1.0, 1.0, 40, torch.bfloat16, torch.bfloat16)
-    ref = L._sorted_l1(torch.softmax(a.detach().double(), -1), torch.softmax(b.double(), -1), 40)
+    ours = LU._CountedSoftmaxL1.apply(a.requires_grad_(), b, 1.0, 1.0, 40, torch.bfloat16, torch.bfloat16)
+    ref = LU.sorted_l1(torch.softmax(a.detach().double(), -1), torch.softmax(b.double(), -1), 40)
     assert ours[:2].isnan().all() and ref[:2].isnan().all()
     torch.testing.assert_close(ours[2:].double(), ref[2:], rtol=1e-6, atol=1e-7)
     grad = torch.autograd.grad(ours.sum(), a)[0]
@@ -450,8 +452,8 @@ def test_uld_counting_keeps_softmax_on_infinities_and_nan():
 
 def take_16_bit_route(monkeypatch, route):
     "From here on ULD takes the 16-bit `route` (\"sort\" or \"count\") on CPU, and sorting the probabilities fails the test."
-    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {"cpu": route})
-    monkeypatch.setattr(L, "_sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
+    monkeypatch.setattr(LM, "SIXTEEN_BIT_ULD", {"cpu": route})
+    monkeypatch.setattr(LM, "sorted_l1", lambda *a: pytest.fail("the probabilities were sorted"))
 
 
 ROUTES = ["sort", "count"]
@@ -466,7 +468,7 @@ def test_uld_of_16_bit_logits_takes_the_16_bit_route_and_keeps_its_results(dense
     g = torch.Generator().manual_seed(42)
     student = distinct_bf16(g, student.shape).bfloat16()
     teachers = {i: distinct_bf16(g, t.shape).bfloat16() for i, t in teachers.items()}
-    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {})
+    monkeypatch.setattr(LM, "SIXTEEN_BIT_ULD", {})
     ref = loss_grad_metrics(config, student, batch, teachers, block_size=None if not overwrite else 3)
     take_16_bit_route(monkeypatch, route)
     for size in ((None, 3) if not overwrite else (3,)):
@@ -490,7 +492,7 @@ def test_uld_fused_with_16_bit_logits_takes_the_16_bit_route(dense, route, monke
                                          normalizers=L.compute_global_normalizers(batch, config))
         return loss.detach(), torch.autograd.grad(loss, leaves)
 
-    monkeypatch.setattr(L, "SIXTEEN_BIT_ULD", {})
+    monkeypatch.setattr(LM, "SIXTEEN_BIT_ULD", {})
     loss_e, grads_e = loss_and_grads()
     take_16_bit_route(monkeypatch, route)
     loss, grads = loss_and_grads()

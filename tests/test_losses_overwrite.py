@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from xtoken_dp import losses as L
+from xtoken_dp.losses import fused as LF  # the module whose blockwise_loss the fused entry point calls
 from losses_helpers import HIDDEN, W_S, data_for, every_config, write_projections
 
 NAMES = tuple(every_config("p.pt"))
@@ -139,7 +140,7 @@ def test_overwrite_logits_is_validated_and_sets_its_own_block_count(dense):
 def test_fused_auto_takes_the_fused_count_whatever_the_flag(monkeypatch):
     "Above AUTO_WHOLE_BYTES the fused entry point cuts `auto_blocks(config, fused=True)` blocks, with or without the flag."
     seen = []
-    monkeypatch.setattr(L, "_blockwise_loss", lambda source, batch, t, config, n, g: seen.append(config.block_size))
+    monkeypatch.setattr(LF, "blockwise_loss", lambda source, batch, t, config, n, g: seen.append(config.block_size))
     T, V, H = 2048, 16384, 8  # bf16 logits of 64 MiB + 32 KiB: just above AUTO_WHOLE_BYTES
     hidden, weight = torch.zeros(1, T, H, dtype=torch.bfloat16), torch.zeros(V + 8, H, dtype=torch.bfloat16)
     batch = {"input_ids": torch.zeros(1, T, dtype=torch.long), "token_mask": torch.ones(1, T, dtype=torch.bool),
@@ -155,7 +156,7 @@ def test_fused_auto_takes_the_fused_count_whatever_the_flag(monkeypatch):
 PEAK_SCRIPT = r'''
 import json, sys, torch
 from xtoken_dp.bench import scale as S
-from xtoken_dp import losses
+from xtoken_dp.losses import blocks as losses  # auto_blocks reads its counts there
 torch.set_num_threads(1)
 losses.AUTO_BLOCKS = losses.AUTO_BLOCKS_OVERWRITE = 16  # the same blocks on both paths: only the buffer differs
 losses.AUTO_BLOCKS_BY_MODE = losses.AUTO_BLOCKS_OVERWRITE_BY_MODE = {}

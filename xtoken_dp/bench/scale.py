@@ -33,6 +33,7 @@ from . import Timing, bench_parser, env_header, env_info, print_table, write_jso
 from .chunks import current_rss, monotone_chunk_ids, peak_rss, reset_peak_rss
 from ..losses import (LOSS_MODES, PROJECTION_MODES, TeacherLossSpec, XTokenLossConfig, compute_global_normalizers,
                               xtoken_kd_loss)
+from ..losses.uld_routes import SIXTEEN_BIT_L1
 from ..schema import AlignmentBatch
 
 # %% auto #0
@@ -334,7 +335,7 @@ def measure_row(row: str, # a name from `row_names`
             "threads": torch.get_num_threads(), "times": timing.times, "median_s": timing.median}
 
 # %% ../../nbs/12j_bench_scale.ipynb #5ca1e029
-ULD_ROUTES = ("probabilities", *losses._SIXTEEN_BIT_L1)  # how ULD may order 16-bit logits: sort their probabilities, or a 16-bit route
+ULD_ROUTES = ("probabilities", *SIXTEEN_BIT_L1)  # how ULD may order 16-bit logits: sort their probabilities, or a 16-bit route
 
 
 def uld_route(device: str, # "cpu" or "cuda"
