@@ -553,11 +553,12 @@ def _pair_claims(path) -> dict:
     with _reading(path):
         obj = load_projection_object(path)
         if projection_format(obj, path) == "sparse":
-            _, _, v_s, v_t = _parse_sparse(obj, os.fspath(path))
-            return {"student_rows_used": v_s, "teacher_ids_used": v_t}
+            return {"teacher_ids_used": _parse_sparse(obj, os.fspath(path))[3]}
         dense = _dense_parts(obj, os.fspath(path))
     claims = {k: dense.metadata[k] for k in _PAIR_FIELDS if k in dense.metadata}
-    claims.setdefault("student_vocab_size", dense.indices.shape[0])
+    if "teacher_vocab_size" not in claims:   # a file from elsewhere: its rows may be the model's width, not V_s
+        live = dense.indices[dense.indices >= 0]
+        claims["teacher_ids_used"] = int(live.max()) + 1 if live.numel() else 0
     return claims
 
 def _brief(value): return f"{value[:12]}..." if isinstance(value, str) and len(value) > 12 else f"{value:,}"
@@ -568,9 +569,9 @@ def _pair_problems(claims:dict, pair:dict) -> list:
     for field in _PAIR_FIELDS:
         if field in claims and pair.get(field) is not None and claims[field] != pair[field]:
             out.append(f"it records {field} {_brief(claims[field])}, the pair has {_brief(pair[field])}")
-    for used, field in (("student_rows_used", "student_vocab_size"), ("teacher_ids_used", "teacher_vocab_size")):
-        if used in claims and pair.get(field) is not None and claims[used] > pair[field]:
-            out.append(f"its ids need {field} >= {claims[used]:,}, the pair has {pair[field]:,}")
+    used, v_t = claims.get("teacher_ids_used"), pair.get("teacher_vocab_size")
+    if used is not None and v_t is not None and used > v_t:
+        out.append(f"its ids need teacher_vocab_size >= {used:,}, the pair has {v_t:,}")
     return out
 
 # %% ../nbs/05_projection.ipynb #13b6fb53
@@ -602,7 +603,7 @@ def check_projection_pair(
                    for what in ("vocab_size", "fingerprint")}
         known = sum(v is not None for v in swapped.values())
         raise ProjectionPairError(path, problems, reversed_=known > 0 and not _pair_problems(claims, swapped)
-                                  and "student_rows_used" not in claims)
+                                  and "teacher_ids_used" not in claims)
     return claims
 
 # %% ../nbs/05_projection.ipynb #f7aa0cd9
