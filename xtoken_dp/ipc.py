@@ -30,6 +30,7 @@ from fastcore.basics import patch
 from torch import Tensor
 
 from .core import check_int, dtype_name
+from .teacher_signal import TeacherSignal
 
 # %% ../nbs/09_ipc.ipynb #59d53122
 @lru_cache(maxsize=1)
@@ -185,6 +186,14 @@ def _densify(record: TopKTeacherLogits) -> Tensor:
 def densify(self: TopKTeacherLogits) -> Tensor:
     "Dense fp32 log-probs `[n, T, V]`: exact on the support, the remaining mass spread evenly off it; rows sum to 1."
     return _densify(self)
+
+# %% ../nbs/09_ipc.ipynb #25a6139e
+@patch
+def to_signal(self: TopKTeacherLogits, spans, # the teacher's `TokenSpans` of each sample, in order
+              *, texts=None, # the texts, kept in the signal (None: not kept)
+             ) -> TeacherSignal:
+    "This record as a `TeacherSignal` of the texts tokenised as `spans` (no densifying)."
+    return TeacherSignal.from_topk(self, spans, texts=texts)
 
 # %% ../nbs/09_ipc.ipynb #492fce31
 _FILE_PREFIX = "xtdp_"
