@@ -6,6 +6,9 @@ TransferQueue starts once per test session (`tq_plane`) and is stopped at the en
 services is left running. Every test uses its own partition.
 """
 import pickle
+import socket
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -18,8 +21,9 @@ import torch
 from xtoken_dp.codec import long_tail_lengths, pack_jagged_fields
 from tensordict import NonTensorData, TensorDict
 
-from xtoken_dp.dataplane import (DataPlaneError, DataPlaneOp, FieldSelectionError, InProcessDataPlane, KVBatchMeta,
-                                 MissingFieldsError, MissingKeysError, PartitionInfo, TransferQueueDataPlane, WorkerTask,
+from xtoken_dp.dataplane import (AttachError, DataPlaneError, DataPlaneOp, FieldSelectionError, InProcessDataPlane,
+                                 KVBatchMeta, MissingFieldsError, MissingKeysError, OverwriteError, PartitionInfo,
+                                 StaleReceiptError, TransferQueueDataPlane, UnknownPartitionError, WorkerTask,
                                  build_data_plane_client, concat_metas, read_acks, read_columns, shard_balance,
                                  shard_meta_for_dp, spawn_worker, write_columns)
 from xtoken_dp.schema import FieldSpec, Schema
@@ -270,7 +274,7 @@ def test_puts_are_checked(plane, partition):
     with pytest.raises(TypeError, match="fields: expected a TensorDict"):
         plane.put_samples(keys_for(3), partition, {"x": torch.zeros(3)})
     with pytest.raises(ValueError, match="names starting with '_xdp:' are the store's own"):
-        plane.put_samples(keys_for(3), partition, wire, tags=[{"_xdp:len:default": 1}] * 3)
+        plane.put_samples(keys_for(3), partition, wire, tags=[{"_xdp:n:default": 1}] * 3)
 
 
 def test_tags_only_puts_and_partition_declarations(plane, partition):
@@ -581,7 +585,7 @@ def test_a_store_that_does_not_answer_is_a_timeout_error(tq_plane):
     wire, schema = every_kind_batch(4)
     saved, tq_plane.request_timeout_s = tq_plane.request_timeout_s, 1e-6
     try:
-        with pytest.raises(DataPlaneError, match=r"did not answer kv_batch_put within 1e-06 s"):
+        with pytest.raises(DataPlaneError, match=r"did not answer (kv_retrieve_meta|kv_batch_put) within 1e-06 s"):
             tq_plane.put_samples(keys_for(4), partition, wire, schema=schema)
     finally:
         tq_plane.request_timeout_s = saved
@@ -590,14 +594,110 @@ def test_a_store_that_does_not_answer_is_a_timeout_error(tq_plane):
     tq_plane.clear_samples(meta.sample_ids, partition)
 
 
-def test_a_stale_receipt_is_refused(plane, partition):
-    "Rows rewritten with other lengths after the receipt was issued: the old receipt no longer describes them."
-    first = pack_jagged_fields({"ids": torch.ones(2, 3, dtype=torch.int64)}, lengths=torch.tensor([3, 1]))
-    meta = plane.put_samples(["x", "y"], partition, first)
-    plane.put_samples(["x", "y"], partition, pack_jagged_fields({"ids": torch.ones(2, 3, dtype=torch.int64)},
-                                                                lengths=torch.tensor([1, 3])))
+def test_a_hand_made_receipt_with_other_lengths_is_refused(plane, partition):
+    "A receipt without generations is still checked against what the store holds: other row lengths are refused."
+    meta = plane.put_samples(["x", "y"], partition, pack_jagged_fields({"ids": torch.ones(2, 3, dtype=torch.int64)},
+                                                                       lengths=torch.tensor([3, 1])))
+    wrong = KVBatchMeta(partition, None, ["x", "y"], schema=meta.schema, group_lengths={"default": [1, 3]})
     with pytest.raises(DataPlaneError, match="row lengths differ from the receipt's group 'default'"):
-        plane.get_by_meta(meta, ["ids"])
+        plane.get_by_meta(wrong, ["ids"])
+
+
+# ------------------------------------------------------------------------------------------ policies that catch mistakes
+
+
+def ids_batch(values, lengths):
+    return pack_jagged_fields({"ids": torch.tensor(values)}, lengths=torch.tensor(lengths))
+
+
+def test_writing_over_existing_fields_needs_overwrite(plane, partition):
+    meta = plane.put_samples(["x", "y"], partition, ids_batch([[1, 2, 3], [4, 0, 0]], [3, 1]))
+    with pytest.raises(OverwriteError, match=r"'ids' is already held by keys \['y'\]; pass overwrite=True") as e:
+        plane.put_samples(["y", "z"], partition, ids_batch([[7, 0], [8, 8]], [1, 2]))
+    assert (e.value.fields, e.value.keys) == (("ids",), ("y",))
+    assert plane.get_by_meta(meta, ["ids"])["ids"].values().tolist() == [1, 2, 3, 4]   # nothing was written
+    with pytest.raises(KeyError):
+        plane.get_samples(["z"], partition, ["ids"])
+    with pytest.raises(OverwriteError, match="token group 'default' has other row lengths for keys"):   # a new field, other lengths
+        plane.put_samples(["x"], partition, pack_jagged_fields({"m": torch.ones(1, 2, dtype=torch.bool)},
+                                                               lengths=torch.tensor([2]), token_aligned_fields=["m"]))
+    back = write_columns(plane, meta, {"score": torch.tensor([0.5, 1.5])})   # new fields on existing keys: no overwrite
+    assert plane.get_by_meta(back, ["ids", "score"])["score"].tolist() == [0.5, 1.5]
+
+
+def test_a_receipt_read_after_an_overwrite_is_stale(plane, partition):
+    "Same lengths, new values: without generations the old receipt would silently read the new values."
+    old = plane.put_samples(["x", "y"], partition, ids_batch([[1, 2], [3, 4]], [2, 2]))
+    new = plane.put_samples(["y"], partition, ids_batch([[30, 40]], [2]), overwrite=True)
+    with pytest.raises(StaleReceiptError, match=r"sample ids \['y'\] in partition '.*' were written again") as e:
+        plane.get_by_meta(old, ["ids"])
+    assert e.value.keys == ("y",)
+    with pytest.raises(StaleReceiptError):
+        read_columns(plane, old, ["ids"])
+    assert plane.get_by_meta(new, ["ids"])["ids"].values().tolist() == [30, 40]
+    assert plane.get_by_meta(old.subset([0]), ["ids"])["ids"].values().tolist() == [1, 2]   # 'x' was not written again
+    assert plane.get_samples(["x", "y"], partition, ["ids"])["ids"].values().tolist() == [1, 2, 30, 40]
+    with pytest.raises(StaleReceiptError):   # two generations of 'y' do not merge
+        old.subset([1]).merge_written(new)
+    plane.clear_samples(["x"], partition)   # cleared and written again: also a new generation
+    again = plane.put_samples(["x"], partition, ids_batch([[5, 6]], [2]))
+    with pytest.raises(StaleReceiptError):
+        plane.get_by_meta(old.subset([0]), ["ids"])
+    assert again.generations != old.subset([0]).generations
+
+
+def test_an_unknown_partition_is_an_immediate_typed_error(plane, partition):
+    unknown = f"nope_{uuid.uuid4().hex[:8]}"
+    start = time.monotonic()
+    with pytest.raises(UnknownPartitionError, match=f"partition '{unknown}' is unknown") as e:
+        plane.get_samples(["a"], unknown, ["x"], timeout_s=60)
+    assert isinstance(e.value, KeyError) and e.value.partition_id == unknown
+    receipt = KVBatchMeta(unknown, None, ["a"], schema=Schema([FieldSpec("x", "sample", torch.int64)]))
+    with pytest.raises(UnknownPartitionError):
+        plane.get_by_meta(receipt, ["x"], timeout_s=60)
+    for clear in (lambda: plane.clear_samples(["a"], unknown), lambda: plane.clear_samples(None, unknown),
+                  lambda: plane.clear_samples(["a"], unknown, missing_ok=True)):
+        with pytest.raises(UnknownPartitionError):
+            clear()
+    assert time.monotonic() - start < 30   # none of them waited for the 60 s timeout
+    with pytest.raises(MissingKeysError) as e:   # a partition that exists, keys that do not: not a partition error
+        plane.get_samples(["a"], partition, ["x"])
+    assert not isinstance(e.value, UnknownPartitionError)
+    with pytest.raises(UnknownPartitionError, match="call register_partition first"):
+        plane.put_samples(["a"], unknown, TensorDict({"x": torch.arange(1)}, batch_size=[1]))
+
+
+def test_clearing_keys_that_are_not_there(plane, partition):
+    plane.put_samples(["a", "b"], partition, TensorDict({"x": torch.arange(2)}, batch_size=[2]))
+    with pytest.raises(MissingKeysError, match=r"sample ids \['zz'\] are not in the store") as e:
+        plane.clear_samples(["a", "zz"], partition)
+    assert e.value.keys == ("zz",)
+    assert plane.get_samples(["a"], partition, ["x"])["x"].tolist() == [0]   # a refused clear frees nothing
+    plane.clear_samples(["a", "zz"], partition, missing_ok=True)   # frees 'a', skips 'zz'
+    with pytest.raises(MissingKeysError):
+        plane.get_samples(["a"], partition, ["x"])
+    assert plane.get_samples(["b"], partition, ["x"])["x"].tolist() == [1]
+    plane.clear_samples(["b"], partition)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_attaching_where_nothing_listens_fails_with_the_address():
+    "Run in a fresh interpreter: this test session's Ray is already connected, and a connected process never attaches."
+    address = f"127.0.0.1:{free_port()}"
+    code = ("from xtoken_dp.dataplane import AttachError, TransferQueueDataPlane\n"
+            "try: TransferQueueDataPlane(bootstrap=False, ray_address=%r, attach_timeout_s=5)\n"
+            "except AttachError as e: print('AttachError:', e)\n" % address)
+    pytest.importorskip("transfer_queue")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"AttachError: ray_address='{address}': nothing answers at {address} within 5 s" in out.stdout
+    with pytest.raises(ValueError, match="attach_timeout_s: expected a number > 0, got 0"):
+        TransferQueueDataPlane(bootstrap=False, attach_timeout_s=0)
 
 
 def test_rows_travel_as_raw_bytes_and_reads_accept_either_format(tq_plane):

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import time
@@ -26,27 +27,30 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
-from ..core import check_int
-from ..schema import FieldSpec, Schema, is_jagged, make_jagged
+from ..core import check_int, dtype_name
+from ..schema import FieldSpec, Schema, dtype_from_name, is_jagged, make_jagged
 from .core import (DPShards, DataPlaneClient, DataPlaneError, DataPlaneOp, FieldSelectionError,
-                                      InProcessDataPlane, KVBatchMeta, MissingFieldsError, MissingKeysError, PartitionInfo,
-                                      StoredRow, balanced_assignment, column_schema, concat_metas, empty_wire_batch,
-                                      read_columns, rebuild_wire_batch, row_tokens, shard_balance, shard_meta_for_dp,
-                                      tensor_nbytes, write_columns)
+                                      InProcessDataPlane, KVBatchMeta, MissingFieldsError, MissingKeysError, OverwriteError,
+                                      PartitionInfo, StaleReceiptError, StoredRow, UnknownPartitionError,
+                                      balanced_assignment, column_schema, concat_metas, empty_wire_batch, read_columns,
+                                      rebuild_wire_batch, row_tokens, shard_balance, shard_meta_for_dp, tensor_nbytes,
+                                      write_columns)
 
 # %% auto #0
-__all__ = ['ROW_FORMATS', 'default_storage_units', 'column_row_bytes', 'column_from_row_bytes', 'TransferQueueDataPlane',
-           'build_data_plane_client', 'WorkerTask', 'scale_rows_task', 'run_task_file', 'spawn_worker', 'read_acks',
-           'DPShards', 'DataPlaneClient', 'DataPlaneError', 'DataPlaneOp', 'FieldSelectionError', 'InProcessDataPlane',
-           'KVBatchMeta', 'MissingFieldsError', 'MissingKeysError', 'PartitionInfo', 'StoredRow', 'balanced_assignment',
-           'column_schema', 'concat_metas', 'empty_wire_batch', 'read_columns', 'rebuild_wire_batch', 'row_tokens',
-           'shard_balance', 'shard_meta_for_dp', 'tensor_nbytes', 'write_columns']
+__all__ = ['ROW_FORMATS', 'default_storage_units', 'AttachError', 'column_row_bytes', 'column_from_row_bytes',
+           'TransferQueueDataPlane', 'build_data_plane_client', 'WorkerTask', 'scale_rows_task', 'run_task_file',
+           'spawn_worker', 'read_acks', 'DPShards', 'DataPlaneClient', 'DataPlaneError', 'DataPlaneOp',
+           'FieldSelectionError', 'InProcessDataPlane', 'KVBatchMeta', 'MissingFieldsError', 'MissingKeysError',
+           'OverwriteError', 'PartitionInfo', 'StaleReceiptError', 'StoredRow', 'UnknownPartitionError',
+           'balanced_assignment', 'column_schema', 'concat_metas', 'empty_wire_batch', 'read_columns',
+           'rebuild_wire_batch', 'row_tokens', 'shard_balance', 'shard_meta_for_dp', 'tensor_nbytes', 'write_columns']
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #b02cc6f8
 _all_ = ["DPShards", "DataPlaneClient", "DataPlaneError", "DataPlaneOp", "FieldSelectionError", "InProcessDataPlane",
-         "KVBatchMeta", "MissingFieldsError", "MissingKeysError", "PartitionInfo", "StoredRow", "balanced_assignment",
-         "column_schema", "concat_metas", "empty_wire_batch", "read_columns", "rebuild_wire_batch", "row_tokens",
-         "shard_balance", "shard_meta_for_dp", "tensor_nbytes", "write_columns"]
+         "KVBatchMeta", "MissingFieldsError", "MissingKeysError", "OverwriteError", "PartitionInfo", "StaleReceiptError",
+         "StoredRow", "UnknownPartitionError", "balanced_assignment", "column_schema", "concat_metas", "empty_wire_batch",
+         "read_columns", "rebuild_wire_batch", "row_tokens", "shard_balance", "shard_meta_for_dp", "tensor_nbytes",
+         "write_columns"]
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #685c2c76
 def default_storage_units(cpus: int | None = None # CPUs available (None: this machine's)
@@ -68,6 +72,24 @@ def _import_transfer_queue():
         for name in list(logging.Logger.manager.loggerDict):
             if name.startswith("transfer_queue"): logging.getLogger(name).setLevel(logging.ERROR)
     return ray, transfer_queue
+
+
+class AttachError(DataPlaneError, ConnectionError):
+    "Nothing answers at the Ray address a client was told to attach to."
+    def __init__(self, message: str, address: str | None = None):
+        super().__init__(message)
+        self.address = address
+
+
+def _probe_address(address: str, timeout_s: float) -> None:
+    "Open and close a TCP connection to a Ray address `host:port` within `timeout_s`, else `AttachError` naming it."
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit(): return   # not host:port: Ray resolves it
+    try: socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise AttachError(f"ray_address={address!r}: nothing answers at {hostport} within {timeout_s:g} s "
+                          f"(attach_timeout_s): {e}; is the driver's Ray running there?", address) from None
 
 
 def _controller_running(ray) -> bool:
@@ -144,32 +166,38 @@ def _fetched_columns(td: TensorDictBase, meta: KVBatchMeta, fields) -> dict:
     return out
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #8f6ef6bd
-_SPEC_TAG, _LENGTH_TAG = "_xdp:field:", "_xdp:len:"   # the store's own per-row tags
+_SPEC_TAG, _LENGTH_TAG, _GENERATION_TAG = "_xdp:f:", "_xdp:n:", "_xdp:g"   # the store's own per-row tags
 
 
 def _spec_code(spec: FieldSpec) -> str:
-    return json.dumps(Schema([spec]).to_dict()["fields"][0], separators=(",", ":"))
+    "A field's declaration in a few bytes (every row carries it): kind|dtype|group|pad value|trailing shape."
+    trailing = "-" if spec.trailing_shape is None else ",".join(map(str, spec.trailing_shape))
+    return "|".join((spec.kind, dtype_name(spec.dtype) or "", spec.group or "", json.dumps(spec.pad_value), trailing))
 
 
 @functools.lru_cache(maxsize=4096)
-def _spec_from_code(code: str) -> FieldSpec:   # cached: every row of a put carries the same few codes
-    return next(iter(Schema.from_dict({"fields": [json.loads(code)]})))
+def _spec_from_code(name: str, code: str) -> FieldSpec:   # cached: every row of a put carries the same few codes
+    kind, dtype, group, pad, trailing = code.split("|")
+    shape = None if trailing == "-" else tuple(int(d) for d in trailing.split(",") if d)
+    return FieldSpec(name, kind, dtype_from_name(dtype or None, name), json.loads(pad), group or None, shape)
 
 
 def _store_tags(meta: KVBatchMeta) -> list[dict]:
-    "Each row's tags as the store keeps them: the caller's, every field's declaration, the row's length per token group."
+    "Each row's tags as the store keeps them: the caller's, every field's declaration, the row's length per token group and generation."
     codes = {_SPEC_TAG + s.name: _spec_code(s) for s in meta.schema}
     user = meta.tags if meta.tags is not None else [{}] * meta.size
-    return [{**user[i], **codes, **{_LENGTH_TAG + g: v[i] for g, v in meta.group_lengths.items()}} for i in range(meta.size)]
+    gens = meta.generations if meta.generations is not None else [None] * meta.size
+    return [{**user[i], **codes, **{_LENGTH_TAG + g: v[i] for g, v in meta.group_lengths.items()},
+             **({_GENERATION_TAG: gens[i]} if gens[i] is not None else {})} for i in range(meta.size)]
 
 
 def _stored_row(tags: Mapping) -> StoredRow:
     "What the store holds for one key, read back from its tags."
     specs, lengths = {}, {}
     for name, value in tags.items():
-        if name.startswith(_SPEC_TAG): specs[name[len(_SPEC_TAG):]] = _spec_from_code(value)
+        if name.startswith(_SPEC_TAG): specs[name[len(_SPEC_TAG):]] = _spec_from_code(name[len(_SPEC_TAG):], value)
         elif name.startswith(_LENGTH_TAG): lengths[name[len(_LENGTH_TAG):]] = value
-    return StoredRow(specs, lengths)
+    return StoredRow(specs, lengths, tags.get(_GENERATION_TAG))
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #e1c672b7
 class TransferQueueDataPlane(DataPlaneClient):
@@ -180,16 +208,19 @@ class TransferQueueDataPlane(DataPlaneClient):
                  storage_units: int | None = None, # storage units to start (None: `default_storage_units`)
                  num_cpus: int | None = None, # CPUs of a Ray started here (None: this machine's, at least 4)
                  request_timeout_s: float = 120.0, # the longest one request to TransferQueue may take
+                 attach_timeout_s: float = 30.0, # the longest a connection to the Ray at `ray_address` may take to open
                  row_format: str = "bytes", # how tensor rows are stored: "bytes" (raw values) or "tensors"
                  **kwargs, # `DataPlaneClient` options: timeout_s, poll_s, on_op
                 ):
         super().__init__(**kwargs)
         if not isinstance(bootstrap, bool): raise TypeError(f"bootstrap: expected a bool, got {type(bootstrap).__name__}")
-        if isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, (int, float)) or request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s: expected a number > 0, got {request_timeout_s!r}")
+        for name, value in (("request_timeout_s", request_timeout_s), ("attach_timeout_s", attach_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name}: expected a number > 0, got {value!r}")
         if row_format not in ROW_FORMATS: raise ValueError(f"row_format: expected one of {ROW_FORMATS}, got {row_format!r}")
         self.row_format, self._ready = row_format, None
         self.request_timeout_s, self.calls = float(request_timeout_s), ThreadPoolExecutor(1, thread_name_prefix="xtoken_dp-tq")
+        self.attach_timeout_s = float(attach_timeout_s)
         self.ray, self.tq = _import_transfer_queue()
         self.bootstrap, self.owns_ray = bootstrap, False
         self.storage_units = check_int("storage_units", storage_units or default_storage_units(), minimum=1) if bootstrap else None
@@ -214,7 +245,9 @@ class TransferQueueDataPlane(DataPlaneClient):
         if address is None and self.bootstrap:
             cpus = check_int("num_cpus", num_cpus or max(4, os.cpu_count() or 1), minimum=2)
             self.ray.init(num_cpus=cpus, include_dashboard=False, **opts)
-        else: self.ray.init(address=address or "auto", **opts)
+        else:
+            if address not in (None, "auto", "local"): _probe_address(address, self.attach_timeout_s)
+            self.ray.init(address=address or "auto", **opts)
         self.owns_ray = True
 
     @property
@@ -242,7 +275,11 @@ class TransferQueueDataPlane(DataPlaneClient):
         rows = {k: _stored_row(tags) for k, tags in zip(found, bm.custom_meta)}
         return [rows.get(k) for k in keys]
 
+    def _has_partition(self, partition_id):
+        return partition_id in self._call("get_partition_list", self.client.get_partition_list)
+
     def _store(self, meta, td):
+        self._ready = None
         self._call("kv_batch_put", self.tq.kv_batch_put, keys=list(meta.sample_ids), partition_id=meta.partition_id,
                    fields=None if td is None else _store_columns(td, meta.schema, self.row_format), tags=_store_tags(meta))
 
@@ -267,7 +304,7 @@ class TransferQueueDataPlane(DataPlaneClient):
 # %% ../../nbs/02f_dataplane_tq.ipynb #9b3d0f2f
 _NEMO_UNUSED = ("storage_capacity", "global_segment_size", "local_buffer_size", "ack_timeout_ms")
 _CONFIG_KEYS = {"enabled", "impl", "backend", "num_storage_units", "claim_meta_poll_interval_s", "observability",
-                "timeout_s", "request_timeout_s", "row_format", "ray_address", "num_cpus", *_NEMO_UNUSED}
+                "timeout_s", "request_timeout_s", "attach_timeout_s", "row_format", "ray_address", "num_cpus", *_NEMO_UNUSED}
 
 
 def _log_op(op: DataPlaneOp) -> None:
@@ -301,6 +338,7 @@ def build_data_plane_client(cfg: Mapping | None, # the data-plane config (NeMo-R
         raise ValueError(f"backend: expected 'simple' (TransferQueue's SimpleStorage), got {cfg['backend']!r}")
     return TransferQueueDataPlane(bootstrap=bootstrap, ray_address=cfg.get("ray_address"), storage_units=cfg.get("num_storage_units"),
                                   num_cpus=cfg.get("num_cpus"), request_timeout_s=cfg.get("request_timeout_s", 120.0),
+                                  attach_timeout_s=cfg.get("attach_timeout_s", 30.0),
                                   row_format=cfg.get("row_format", "bytes"), **options)
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #0147abc1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
+import uuid
 import warnings
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
@@ -25,10 +26,11 @@ from ..core import check_int, offsets_of
 from ..schema import FieldSpec, Schema, infer_schema, is_jagged, jagged_lengths, make_jagged
 
 # %% auto #0
-__all__ = ['DataPlaneError', 'MissingFieldsError', 'MissingKeysError', 'FieldSelectionError', 'KVBatchMeta', 'concat_metas',
-           'rebuild_wire_batch', 'empty_wire_batch', 'DataPlaneOp', 'tensor_nbytes', 'PartitionInfo', 'StoredRow',
-           'DataPlaneClient', 'InProcessDataPlane', 'column_schema', 'write_columns', 'read_columns', 'DPShards',
-           'row_tokens', 'balanced_assignment', 'shard_meta_for_dp', 'shard_balance']
+__all__ = ['DataPlaneError', 'MissingFieldsError', 'MissingKeysError', 'FieldSelectionError', 'UnknownPartitionError',
+           'OverwriteError', 'StaleReceiptError', 'KVBatchMeta', 'concat_metas', 'rebuild_wire_batch',
+           'empty_wire_batch', 'DataPlaneOp', 'tensor_nbytes', 'PartitionInfo', 'StoredRow', 'DataPlaneClient',
+           'InProcessDataPlane', 'column_schema', 'write_columns', 'read_columns', 'DPShards', 'row_tokens',
+           'balanced_assignment', 'shard_meta_for_dp', 'shard_balance']
 
 # %% ../../nbs/02e_dataplane.ipynb #6be3604a
 class DataPlaneError(ValueError):
@@ -53,6 +55,28 @@ class MissingKeysError(DataPlaneError, KeyError):
 
 class FieldSelectionError(DataPlaneError, TypeError):
     "A read that does not name the fields it fetches."
+
+
+class UnknownPartitionError(DataPlaneError, KeyError):
+    "A partition that neither this client registered nor the store holds."
+    __str__ = BaseException.__str__
+    def __init__(self, message: str, partition_id: str | None = None):
+        super().__init__(message)
+        self.partition_id = partition_id
+
+
+class OverwriteError(DataPlaneError):
+    "A put of fields that some of its keys already hold, without `overwrite=True`."
+    def __init__(self, message: str, fields: Sequence[str] = (), keys: Sequence[str] = ()):
+        super().__init__(message)
+        self.fields, self.keys = tuple(fields), tuple(keys)
+
+
+class StaleReceiptError(DataPlaneError):
+    "A receipt whose rows were written again after it was issued (an overwrite, or a clear and a new put)."
+    def __init__(self, message: str, keys: Sequence[str] = ()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 def _deprecated(old: str, new: str, stacklevel: int = 3):
@@ -118,7 +142,7 @@ def _old_receipt_args(args: dict, old: dict) -> dict:
     "A receipt's arguments given in the form before this release, in today's names."
     unknown = sorted(set(old) - set(_OLD_RECEIPT_NAMES))
     if unknown: raise TypeError(f"KVBatchMeta: unexpected keyword arguments {unknown}")
-    out = {k: args[k] for k in ("partition_id", "schema", "group_lengths", "pad_to_seqlen")}
+    out = {k: args[k] for k in ("partition_id", "schema", "group_lengths", "pad_to_seqlen", "generations")}
     if isinstance(args["task_name"], (list, tuple)):   # positional: keys, schema, seqlens, tags, task_name, extra_info
         out.update(sample_ids=args["task_name"], task_name=None, tags=args["sequence_lengths"])
         if isinstance(args["sample_ids"], Schema): out["schema"] = args["sample_ids"]
@@ -154,6 +178,7 @@ class KVBatchMeta:
     schema: Schema
     group_lengths: dict[str, tuple[int, ...]]
     pad_to_seqlen: dict[str, int]
+    generations: list[str] | None
 
     def __init__(self, partition_id: str, # the partition the rows live in
                  task_name: str | None = None, # the consumer task the rows are for (free text)
@@ -165,11 +190,12 @@ class KVBatchMeta:
                  *, schema: Schema | None = None, # each written field's kind, dtype, token group and trailing shape
                  group_lengths: Mapping | None = None, # token group -> row lengths
                  pad_to_seqlen: Mapping | None = None, # token group -> the pad width every rank shares
+                 generations: Sequence[str] | None = None, # each row's write generation in the store (None: unchecked)
                  **old, # `keys=`, `seqlens=`: the names before this release (deprecated)
                 ):
         args = dict(partition_id=partition_id, task_name=task_name, sample_ids=sample_ids, fields=fields,
                     sequence_lengths=sequence_lengths, extra_info=extra_info, tags=tags, schema=schema,
-                    group_lengths=group_lengths, pad_to_seqlen=pad_to_seqlen)
+                    group_lengths=group_lengths, pad_to_seqlen=pad_to_seqlen, generations=generations)
         if isinstance(task_name, (list, tuple)) or old:
             args = _old_receipt_args(args, old)
             _deprecated("KVBatchMeta(partition_id, keys, schema, seqlens, ...)",
@@ -177,7 +203,7 @@ class KVBatchMeta:
         self._setup(**args)
 
     def _setup(self, partition_id, task_name=None, sample_ids=(), fields=None, sequence_lengths=None,
-               extra_info=None, tags=None, schema=None, group_lengths=None, pad_to_seqlen=None):
+               extra_info=None, tags=None, schema=None, group_lengths=None, pad_to_seqlen=None, generations=None):
         if not isinstance(partition_id, str) or not partition_id:
             raise TypeError(f"partition_id: expected a non-empty str, got {partition_id!r}")
         if task_name is not None and not isinstance(task_name, str):
@@ -196,6 +222,9 @@ class KVBatchMeta:
                                  else list(self.group_lengths[first]) if first is not None else None)
         self.extra_info, self.tags = dict(extra_info or {}), _check_tags(tags, n)
         self.pad_to_seqlen = {g: self._checked_pad(g, w) for g, w in dict(pad_to_seqlen or {}).items()}
+        self.generations = None if generations is None else list(generations)
+        if self.generations is not None and (len(self.generations) != n or not all(isinstance(g, str) for g in self.generations)):
+            raise ValueError(f"generations: expected {n} str (one per sample id), got {generations!r}")
 
     def _checked_pad(self, group: str, width) -> int:
         if group not in self.group_lengths:
@@ -261,7 +290,8 @@ def subset(self: KVBatchMeta, rows # row positions (ints, negative from the end)
     "The receipt of the selected rows, in the order given."
     pos = _positions(rows, self.size)
     return _replace(self, sample_ids=_pick(self.sample_ids, pos), sequence_lengths=_pick(self.sequence_lengths, pos),
-                    tags=_pick(self.tags, pos), group_lengths={g: _pick(v, pos) for g, v in self.group_lengths.items()})
+                    tags=_pick(self.tags, pos), group_lengths={g: _pick(v, pos) for g, v in self.group_lengths.items()},
+                    generations=_pick(self.generations, pos))
 
 
 @patch
@@ -312,7 +342,7 @@ def concat_metas(metas: Sequence[KVBatchMeta] # receipts of one partition and on
         for g, w in m.pad_to_seqlen.items(): pads[g] = max(w, pads.get(g, 0))
     first = metas[0]
     return _replace(first, sample_ids=_joined(metas, "sample_ids"), sequence_lengths=_joined(metas, "sequence_lengths"),
-                    tags=_joined(metas, "tags"), pad_to_seqlen=pads,
+                    tags=_joined(metas, "tags"), pad_to_seqlen=pads, generations=_joined(metas, "generations"),
                     group_lengths={g: [v for m in metas for v in m.group_lengths[g]] for g in first.group_lengths})
 
 
@@ -357,6 +387,24 @@ def _aligned_lengths(self: KVBatchMeta, other: KVBatchMeta) -> dict[str, tuple[i
     return {g: tuple(v[i] for i in order) for g, v in other.group_lengths.items()}
 
 
+def _aligned(self: KVBatchMeta, other: KVBatchMeta, attr: str) -> list | None:
+    "`other`'s per-row `attr` in `self`'s row order (None when it has none)."
+    values = getattr(other, attr)
+    if values is None: return None
+    where_ = dict(zip(other.sample_ids, values))
+    return [where_[k] for k in self.sample_ids]
+
+
+def _check_generations(meta: KVBatchMeta, current: list | None, what: str) -> None:
+    "Refuse a receipt whose rows have been written again since it was issued."
+    if meta.generations is None or current is None: return
+    stale = [k for k, mine, now in zip(meta.sample_ids, meta.generations, current) if now is not None and mine != now]
+    if stale:
+        raise StaleReceiptError(f"{what} of sample ids {stale[:8]}{' …' if len(stale) > 8 else ''} in partition "
+                                f"{meta.partition_id!r} were written again after this receipt was issued (a put with "
+                                f"overwrite=True, or a clear and a new put); read them with their new receipt", stale)
+
+
 @patch
 def merge_written(self: KVBatchMeta, written: KVBatchMeta # the receipt of a write over the same keys
                  ) -> KVBatchMeta:
@@ -367,6 +415,7 @@ def merge_written(self: KVBatchMeta, written: KVBatchMeta # the receipt of a wri
             row = next(i for i, (a, b) in enumerate(zip(self.group_lengths[g], v)) if a != b)
             raise ValueError(f"merge_written: token group {g!r} has other row lengths in the new receipt (key "
                              f"{self.sample_ids[row]!r}: {self.group_lengths[g][row]} vs {v[row]}); write it under another group name")
+    _check_generations(self, _aligned(self, written, "generations"), "merge_written: the rows")
     new = {s.name: s for s in written.schema}
     specs = [new.pop(s.name, s) for s in self.schema] + list(new.values())
     names = list(dict.fromkeys([*(self.fields or []), *(written.fields or [])]))
@@ -530,9 +579,10 @@ class PartitionInfo:
 
 
 class StoredRow(NamedTuple):
-    "What a store holds for one key: each field's declaration and the row's length in each token group."
+    "What a store holds for one key: each field's declaration, the row's length in each token group, its generation."
     specs: Mapping[str, FieldSpec]  # field -> its declaration when written
     lengths: Mapping[str, int]  # token group -> this row's length
+    generation: str | None = None  # changes when the key is written anew (new, overwritten, or cleared and put again)
 
 
 class DataPlaneClient(abc.ABC):
@@ -583,6 +633,13 @@ class DataPlaneClient(abc.ABC):
     @abc.abstractmethod
     def _delete(self, partition_id: str, keys: list) -> None:
         "Forget the keys and every field stored under them."
+
+    def _has_partition(self, partition_id: str) -> bool:
+        "True when the store knows the partition (an adapter that cannot tell says True)."
+        return True
+
+    def _partition_known(self, partition_id: str) -> bool:
+        return partition_id in self.partitions or self._has_partition(partition_id)
 
 # %% ../../nbs/02e_dataplane.ipynb #80c17a94
 def _tuple_or_none(name: str, values) -> tuple[str, ...] | None:
@@ -645,8 +702,28 @@ def _check_partition(self: DataPlaneClient, partition_id) -> None:
     if not isinstance(partition_id, str) or not partition_id:
         raise TypeError(f"partition_id: expected a non-empty str, got {partition_id!r}")
     if partition_id not in self.partitions:
-        raise DataPlaneError(f"partition {partition_id!r} is not registered with this client (registered: "
-                             f"{sorted(self.partitions)}); call register_partition first")
+        raise UnknownPartitionError(f"partition {partition_id!r} is not registered with this client (registered: "
+                             f"{sorted(self.partitions)}); call register_partition first", partition_id)
+
+
+def _put_generations(meta: KVBatchMeta, rows: list, overwrite: bool) -> list[str]:
+    "Each row's generation after a put: a new one where the key is new or written again, refusing an overwrite not asked for."
+    clashes, regrouped = {}, {}
+    for i, (key, row) in enumerate(zip(meta.sample_ids, rows)):
+        if row is None: continue
+        for f in meta.schema.names:
+            if f in row.specs: clashes.setdefault(f, []).append(key)
+        for g, v in meta.group_lengths.items():
+            if g in row.lengths and row.lengths[g] != v[i]: regrouped.setdefault(g, []).append(key)
+    hit = {k for ks in (*clashes.values(), *regrouped.values()) for k in ks}
+    if hit and not overwrite:
+        detail = "; ".join([f"{f!r} is already held by keys {ks[:8]}" for f, ks in clashes.items()] +
+                           [f"token group {g!r} has other row lengths for keys {ks[:8]}" for g, ks in regrouped.items()])
+        raise OverwriteError(f"put_samples into partition {meta.partition_id!r}: {detail}; pass overwrite=True to write "
+                             f"over them (their earlier receipts then become stale)", list(clashes), sorted(hit))
+    fresh = uuid.uuid4().hex[:16]
+    return [fresh if row is None or key in hit or row.generation is None else row.generation
+            for key, row in zip(meta.sample_ids, rows)]
 
 
 @patch
@@ -656,6 +733,7 @@ def put_samples(self: DataPlaneClient, sample_ids: Sequence[str] | None = None, 
                 tags: Sequence[Mapping] | None = None, # one dict per row, stored with the keys
                 *, schema: Schema | None = None, # the fields' declarations (None: read from the layout)
                 task_name: str | None = None, # recorded in the receipt
+                overwrite: bool = False, # write over fields the keys already hold (their old receipts become stale)
                 **old, # `keys=`, `wire_td=`: the names before this release (deprecated)
                ) -> KVBatchMeta:
     "Store the rows of `fields` and their tags under `sample_ids` and return their receipt."
@@ -667,7 +745,10 @@ def put_samples(self: DataPlaneClient, sample_ids: Sequence[str] | None = None, 
     schema = Schema() if fields is None else _checked_wire(fields, keys, schema)
     meta = KVBatchMeta(partition_id, task_name, keys, schema=schema, tags=_check_tags(tags, len(keys)),
                        group_lengths={} if fields is None else _wire_lengths(fields, schema))
-    if keys: self._store(meta, fields)
+    if not isinstance(overwrite, bool): raise TypeError(f"overwrite: expected a bool, got {type(overwrite).__name__}")
+    if keys:
+        meta.generations = _put_generations(meta, self._describe(partition_id, keys), overwrite)
+        self._store(meta, fields)
     self.produced.setdefault(partition_id, {}).update(dict.fromkeys(keys))
     self._record("put", partition_id, len(keys), 0 if fields is None else tensor_nbytes(fields), start)
     return meta
@@ -712,7 +793,19 @@ def _stored_receipt(partition_id: str, keys: list, fields: list, rows: list) -> 
         lacking = [k for k, r in zip(keys, rows) if g not in r.lengths]
         if lacking: raise DataPlaneError(f"token group {g!r}: the store has no row lengths for keys {lacking[:8]}")
         lengths[g] = [r.lengths[g] for r in rows]
-    return KVBatchMeta(partition_id, None, keys, schema=schema, group_lengths=lengths)
+    generations = [r.generation for r in rows]
+    return KVBatchMeta(partition_id, None, keys, schema=schema, group_lengths=lengths,
+                       generations=None if None in generations else generations)
+
+
+@patch
+def _absent_error(self: DataPlaneClient, partition_id: str, absent: list) -> DataPlaneError:
+    "The error for keys the store does not hold: its partition is unknown, or the keys are."
+    if not self._partition_known(partition_id):
+        return UnknownPartitionError(f"partition {partition_id!r} is unknown: this client did not register it and the "
+                                     f"store holds no such partition (registered here: {sorted(self.partitions)})", partition_id)
+    return MissingKeysError(f"partition {partition_id!r}: sample ids {absent[:8]}{' …' if len(absent) > 8 else ''} "
+                            f"are not in the store (never written, or cleared)", absent, partition_id)
 
 
 @patch
@@ -723,9 +816,7 @@ def _resolve(self: DataPlaneClient, partition_id: str, keys: list, fields: list,
     while True:
         rows = self._describe(partition_id, keys)
         absent = [k for k, r in zip(keys, rows) if r is None]
-        if absent:
-            raise MissingKeysError(f"partition {partition_id!r}: sample ids {absent[:8]}{' …' if len(absent) > 8 else ''} "
-                                   f"are not in the store (never written, or cleared)", absent, partition_id)
+        if absent: raise self._absent_error(partition_id, absent)
         lacking = {f: [k for k, r in zip(keys, rows) if f not in r.specs] for f in fields}
         lacking = {f: ks for f, ks in lacking.items() if ks}
         if not lacking: return _stored_receipt(partition_id, keys, fields, rows)
@@ -743,7 +834,8 @@ def _spec_agrees(mine: FieldSpec, stored: FieldSpec) -> bool:
 
 
 def _check_receipt(meta: KVBatchMeta, stored: KVBatchMeta, fields: list) -> None:
-    "Refuse a receipt that no longer describes the rows: another declaration, or other row lengths."
+    "Refuse a receipt that no longer describes the rows: written again since, another declaration, other row lengths."
+    _check_generations(meta, stored.generations, "the rows")
     for f in fields:
         if f in meta.schema and not _spec_agrees(meta.schema[f], stored.schema[f]):
             raise DataPlaneError(f"field {f!r}: the receipt says {meta.schema[f]}, the store holds {stored.schema[f]}")
@@ -803,6 +895,7 @@ def get_by_meta(self: DataPlaneClient, meta: KVBatchMeta, # the receipt of the r
 @patch
 def clear_samples(self: DataPlaneClient, sample_ids: Sequence[str] | None, # the keys to free (None: those this client put)
                   partition_id: str | None = None, # the partition they live in
+                  *, missing_ok: bool = False, # keys the store does not hold are skipped instead of refused
                  ) -> None:
     "Free the keys and every field stored under them."
     if isinstance(sample_ids, KVBatchMeta):   # clear_samples(meta): the form before this release
@@ -813,10 +906,15 @@ def clear_samples(self: DataPlaneClient, sample_ids: Sequence[str] | None, # the
         raise TypeError(f"partition_id: expected a non-empty str, got {partition_id!r}")
     start = time.perf_counter()
     keys = list(self.produced.get(partition_id, {})) if sample_ids is None else _check_keys(sample_ids)
-    if keys: self._delete(partition_id, keys)
+    rows = self._describe(partition_id, keys) if keys else []
+    absent = [k for k, r in zip(keys, rows) if r is None]
+    if (absent or not keys) and not self._partition_known(partition_id): raise self._absent_error(partition_id, absent)
+    if absent and not missing_ok: raise self._absent_error(partition_id, absent)
+    present = [k for k, r in zip(keys, rows) if r is not None]
+    if present: self._delete(partition_id, present)
     produced = self.produced.get(partition_id, {})
     for k in keys: produced.pop(k, None)
-    self._record("clear", partition_id, len(keys), 0, start)
+    self._record("clear", partition_id, len(present), 0, start)
 
 # %% ../../nbs/02e_dataplane.ipynb #185821bd
 def _rows_of(td: TensorDictBase, name: str, kind: str) -> list:
@@ -854,12 +952,15 @@ class InProcessDataPlane(DataPlaneClient):
         for i, key in enumerate(meta.sample_ids):
             known = info.get(key) or StoredRow({}, {})
             part.setdefault(key, {}).update({name: col[i] for name, col in cols.items()})
-            info[key] = StoredRow({**known.specs, **specs}, {**known.lengths, **{g: v[i] for g, v in meta.group_lengths.items()}})
+            info[key] = StoredRow({**known.specs, **specs}, {**known.lengths, **{g: v[i] for g, v in meta.group_lengths.items()}},
+                                  meta.generations[i] if meta.generations is not None else known.generation)
             tags.setdefault(key, {}).update(meta.tags[i] if meta.tags is not None else {})
 
     def _describe(self, partition_id, keys):
         info = self.rows.get(partition_id, {})
         return [info.get(k) for k in keys]
+
+    def _has_partition(self, partition_id): return partition_id in self.rows
 
     def _fetch(self, meta, fields):
         part = self.store[meta.partition_id]
