@@ -51,11 +51,11 @@ def measure(plane: TransferQueueDataPlane, # a bootstrapped plane (its Ray is th
     meta = plane.put_samples(keys, part, wire)
     ray, tq = plane.ray, plane.tq
     payload = [wire.get(k).values() for k in names] + [wire.get(names[0]).offsets()]
-    fns = {"transferqueue put+get": lambda: plane.get_by_meta(plane.put_samples(keys, part, wire), names),
-           "transferqueue put": lambda: plane.put_samples(keys, part, wire),
-           "transferqueue get": lambda: plane.get_by_meta(meta, names),
-           "transferqueue put+get, tensor rows": lambda: with_row_format(plane, "tensors", lambda: plane.get_by_meta(
-               plane.put_samples(keys, part, wire), names)),
+    again = lambda: plane.put_samples(keys, part, wire, overwrite=True)   # every timed put writes over the same keys
+    fns = {"transferqueue put+get": lambda: plane.get_by_meta(again(), names),
+           "transferqueue put": again,
+           "transferqueue get": lambda: plane.get_samples(keys, part, names),
+           "transferqueue put+get, tensor rows": lambda: with_row_format(plane, "tensors", lambda: plane.get_by_meta(again(), names)),
            "transferqueue raw put+get": lambda: (tq.kv_batch_put(keys=keys, partition_id=part, fields=wire),
                                                  tq.kv_batch_get(keys=keys, partition_id=part, select_fields=names)),
            "ray put+get": lambda: ray.get(ray.put(wire)),
