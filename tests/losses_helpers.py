@@ -127,6 +127,16 @@ def write_projections(directory, seed=0):
     return dense, sparse
 
 
+def config_names():
+    "The names of `every_config`, for parametrising tests at import time (its configs read a real file, written here once)."
+    global _NAMES
+    if _NAMES is None: _NAMES = tuple(every_config(write_projections(tempfile.mkdtemp(prefix="xtoken_dp_config_names_"))[0]))
+    return _NAMES
+
+
+_NAMES = None
+
+
 def dense_matrix(path, row_normalize):
     "The projection as a list of rows `[V_S][V_T]` (duplicates summed, -1 dropped), built from the file by loops."
     obj = torch.load(path, weights_only=True)
@@ -357,15 +367,15 @@ def ref_topk_kl(z, y, batch, *, kappa=1.0, topk=None, reverse=False, V=V_S):
     return total
 
 
-def ref_alm(z, y, batch, *, tau=100.0, divergence="binary_kl", i=0):
-    "Σ over valid chunks of τ·D(e^ut, e^us) with full-width chunk log-likelihoods."
+def ref_alm(z, y, batch, *, tau=100.0, divergence="binary_kl", i=0, V_s=V_S, V_t=V_T):
+    "Σ over valid chunks of τ·D(e^ut, e^us), chunk log-likelihoods normalised over each side's vocabulary (no lm_head padding)."
     total = 0.0
     for b, s in enumerate(samples(batch, i)):
         for c in range(len(s.pair_valid)):
             S, Q, ok = s.chunk(c)
             if not ok: continue
-            Ls = sum(log_softmax(z[b][p])[s.ids[p + 1]] for p in S)
-            Lt = sum(log_softmax(y[b][q])[s.t_ids[q + 1]] for q in Q)
+            Ls = sum(log_softmax(z[b][p][:V_s])[s.ids[p + 1]] for p in S)
+            Lt = sum(log_softmax(y[b][q][:V_t])[s.t_ids[q + 1]] for q in Q)
             us, ut = min(Ls / tau, -1e-7), min(Lt / tau, -1e-7)
             pt = math.exp(ut)
             if divergence == "binary_kl": D = pt * (ut - us) + (1 - pt) * (log1mexp(ut) - log1mexp(us))

@@ -504,10 +504,10 @@ def test_L12_alm_zero_at_equal_likelihoods_equal_gradients_and_finite_near_zero(
     batch = _one_chunk_alm_batch()
     g = torch.Generator().manual_seed(5)
     student = torch.randn(1, 3, W_S, generator=g, dtype=torch.float64, requires_grad=True)
-    ls = torch.log_softmax(student.detach(), -1)
+    ls = torch.log_softmax(student.detach()[..., :V_S], -1)   # over the vocabulary: lm_head padding is no token
     L_s = (ls[0, 0, 3] + ls[0, 1, 4]).item()  # the student's chunk log-likelihood
     teacher = torch.zeros(1, 2, W_T, dtype=torch.float64)
-    teacher[0, 0, 5] = math.log(math.exp(L_s) * (W_T - 1) / (1 - math.exp(L_s)))  # p_teacher(5) = e^{L_s}
+    teacher[0, 0, 5] = math.log(math.exp(L_s) * (V_T - 1) / (1 - math.exp(L_s)))  # p_teacher(5) = e^{L_s} over V_T columns
     kl_cfg, ce_cfg = config_for("alm"), config_for("alm", alm_divergence="binary_ce")
     assert abs(L.per_chunk_losses(student, batch, {0: teacher}, config=kl_cfg).total.item()) < 1e-9
     other = torch.randn(1, 2, W_T, generator=g, dtype=torch.float64)
@@ -611,14 +611,14 @@ def test_L15_normalize_teacher_by_vocab_scales_one_and_two():
     torch.testing.assert_close(L.teacher_weights(config), torch.tensor([1.0, 2.0], dtype=torch.float64))
 
 
-def ref_teacher_ce(y, batch, i):
-    "Masked mean of −log p(x_t[q+1]) over the teacher's CE positions."
+def ref_teacher_ce(y, batch, i, V=V_T):
+    "Masked mean of −log p(x_t[q+1]) over the teacher's CE positions, p normalised over its vocabulary (no lm_head padding)."
     total, count = 0.0, 0
     ids, mask, on = batch[f"teacher_{i}_input_ids"].tolist(), batch[f"teacher_{i}_token_mask"].tolist(), batch["sample_mask"].tolist()
     for b in range(len(ids)):
         for q in range(len(ids[b]) - 1):
             if on[b] == 1 and mask[b][q + 1]:
-                total -= torch.log_softmax(torch.tensor(y[b][q]), -1)[ids[b][q + 1]].item()
+                total -= torch.log_softmax(torch.tensor(y[b][q][:V]), -1)[ids[b][q + 1]].item()
                 count += 1
     return total / count
 
@@ -646,8 +646,9 @@ def test_L15_select_teacher_takes_the_lowest_ce_and_computes_only_its_kd(tmp_pat
     better = torch.full_like(teachers[1], -5.0)  # teacher 1 predicts its own next tokens: the lower CE
     ids = batch["teacher_1_input_ids"]
     better.scatter_(-1, torch.cat([ids[:, 1:], ids[:, -1:]], 1)[..., None], 5.0)
-    missing = tmp_path / "never_loaded.pt"  # teacher 0's projection does not exist: computing its KD would fail
+    missing = write_projections(tmp_path)[0]  # a real file while the config checks it...
     config = L.XTokenLossConfig(V_S, [L.TeacherLossSpec("pkl", missing, V_T), spec("uld")], kd_loss_mode="select_teacher")
+    missing.unlink()  # ...then gone: computing teacher 0's KD would fail
     norms = L.compute_global_normalizers(batch, config)
     loss, m = L.xtoken_kd_loss(student, batch, {0: teachers[0], 1: better}, config=config, normalizers=norms)
     assert m["selected_teacher"].item() == 1 and (m["selected_frac_t0"].item(), m["selected_frac_t1"].item()) == (0.0, 1.0)
@@ -802,3 +803,46 @@ def test_L22_metric_reduction(dense):
     reduced = L.reduce_metrics(dicts)
     for name in ("loss", "kl_loss_t0", "kl_common_t0", "top1_common_t0", "uncommon_mass_t0", "accuracy", "num_valid_tokens"):
         close(reduced[name], whole[name].item(), 1e-10)
+
+
+# ------------------------------------------------------------------------------------------ lm_head padding columns
+
+@pytest.mark.parametrize("mode", L.LOSS_MODES)
+@pytest.mark.parametrize("block_size", (None, 2))
+def test_every_mode_ignores_lm_head_padding_columns(dense, mode, block_size):
+    "Columns past each side's vocab_size (lm_head padding) change no KD value and get no gradient, in every mode."
+    from losses_helpers import data_for, spec
+    config = L.XTokenLossConfig(V_S, [spec(mode, dense)], ce_loss_scale=0.0, vocab_topk=4, block_size=block_size)
+    batch, student, teachers = data_for(config, 91)
+    V_t = V_S if mode == "topk_kl" else V_T
+    padded_s, padded_t = student.clone(), {0: teachers[0].clone()}
+    padded_s[..., V_S:] = 25.0   # padding columns far above every real logit: any softmax over them would be ruled by them
+    padded_t[0][..., V_t:] = 25.0
+    norms = L.compute_global_normalizers(batch, config)
+    results = []
+    for s, t in ((padded_s, padded_t), (student[..., :V_S], {0: teachers[0][..., :V_t]})):
+        logits = s.detach().clone().requires_grad_()
+        loss, metrics = L.xtoken_kd_loss(logits, batch, t, config=config, normalizers=norms)
+        results.append((loss.item(), torch.autograd.grad(loss, logits)[0]))
+    (loss_padded, grad_padded), (loss_narrow, grad_narrow) = results
+    assert loss_narrow > 0 and abs(loss_padded - loss_narrow) <= 1e-12 * loss_narrow, (mode, loss_padded, loss_narrow)
+    torch.testing.assert_close(grad_padded[..., :V_S], grad_narrow, rtol=1e-10, atol=1e-13)
+    assert not grad_padded[..., V_S:].any()
+
+
+def test_ids_past_the_vocabulary_are_refused_at_the_first_call(dense):
+    "A teacher vocab_size smaller than the ids the batch holds (e.g. 1,000 for a 151,646-token teacher) is refused, not read."
+    from losses_helpers import data_for, spec
+    config = L.XTokenLossConfig(V_S, [spec("uld", dense)])
+    batch, student, teachers = data_for(config, 92)
+    top = int(batch["teacher_0_input_ids"][batch["teacher_0_token_mask"].bool()].max())
+    small = L.XTokenLossConfig(V_S, [L.TeacherLossSpec("uld", None, top)])   # one id too few
+    with pytest.raises(ValueError, match=f"teacher_0_input_ids holds id {top} at a real token; expected ids < {top} "
+                                         r"\(teacher 0's vocab_size\)"):
+        L.xtoken_kd_loss(student, batch, teachers, config=small, normalizers=L.compute_global_normalizers(batch, small))
+    batch["input_ids"] = batch["input_ids"].clone()
+    real = batch["token_mask"].bool() & batch["sample_mask"].bool()[:, None]
+    b, p = (int(x) for x in real.nonzero()[0])
+    batch["input_ids"][b, p] = V_S   # a padding column's id: the student logits could score it, the vocabulary has no such token
+    with pytest.raises(ValueError, match=f"input_ids holds id {V_S} at a real token; expected ids < {V_S} \\(student_vocab_size\\)"):
+        L.xtoken_kd_loss(student, batch, teachers, config=config, normalizers=L.compute_global_normalizers(batch, config))

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from xtoken_dp import losses as L
 # the submodules whose globals a test sets, and the internals a test calls, where they live
 from xtoken_dp.losses import blocks as LB, chunks as LC, fused as LF, modes as LM, uld_routes as LU
-from losses_helpers import HIDDEN, V_S, V_T, W_S, W_T, data_for, every_config, rows_of, write_projections, spec
+from losses_helpers import config_names, HIDDEN, V_S, V_T, W_S, W_T, data_for, every_config, rows_of, write_projections, spec
 
 BLOCK_SIZES = (1, 2, 3, 7, "T")
 
@@ -26,7 +26,7 @@ def dense(tmp_path_factory): return write_projections(tmp_path_factory.mktemp("b
 
 
 configs = every_config
-NAMES = tuple(configs("p.pt"))
+NAMES = config_names()
 
 
 def loss_grad_metrics(config, student, batch, teachers, normalizers=None, block_size=None):
@@ -309,12 +309,12 @@ def test_blocks_and_fused_on_cuda_equal_the_cpu_whole_microbatch(dense, name):
 
 @pytest.mark.parametrize("block_size", (None, 2))
 def test_a_target_id_past_the_logits_width_is_refused(dense, block_size):
-    "An input id the student logits cannot score is refused once per microbatch, blocked or not, naming the width."
+    "An input id the student logits cannot score is refused once per microbatch, blocked or not, naming the vocabulary size."
     config = dataclasses.replace(configs(dense)["alm"], block_size=block_size)
     batch, student, teachers = data_for(config, 79)
     batch["input_ids"] = batch["input_ids"].clone()
     batch["input_ids"][0, 1] = student.shape[-1] + 3
-    with pytest.raises(ValueError, match=f"target ids must be < the logits width {student.shape[-1]}, got {student.shape[-1] + 3}"):
+    with pytest.raises(ValueError, match=f"input_ids holds id {student.shape[-1] + 3} at a real token; expected ids < {V_S}"):
         L.xtoken_kd_loss(student, batch, teachers, config=config, normalizers=L.compute_global_normalizers(batch, config))
 
 

@@ -15,9 +15,9 @@ import torch
 
 from xtoken_dp import losses as L
 from xtoken_dp.losses import fused as LF  # the module whose blockwise_loss the fused entry point calls
-from losses_helpers import HIDDEN, W_S, data_for, every_config, write_projections
+from losses_helpers import config_names, HIDDEN, V_S, V_T, W_S, data_for, every_config, write_projections
 
-NAMES = tuple(every_config("p.pt"))
+NAMES = config_names()
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_the_fused_path_ignores_the_flag(dense):
 def test_overwrite_logits_is_validated_and_sets_its_own_block_count(dense):
     with pytest.raises(TypeError, match="overwrite_logits: expected a bool"):
         L.XTokenLossConfig(5, [L.TeacherLossSpec("alm", None, 5)], overwrite_logits="yes")
-    config = L.XTokenLossConfig(5, [L.TeacherLossSpec("pkl", dense, 5), L.TeacherLossSpec("uld", None, 5)], overwrite_logits=True)
+    config = L.XTokenLossConfig(V_S, [L.TeacherLossSpec("pkl", dense, V_T), L.TeacherLossSpec("uld", None, V_T)], overwrite_logits=True)
     assert L.auto_blocks(config) == L.AUTO_BLOCKS_OVERWRITE + L.AUTO_BLOCKS_OVERWRITE_BY_MODE["uld"]
     assert L.auto_blocks(config, overwrite=False) == L.AUTO_BLOCKS + L.AUTO_BLOCKS_BY_MODE["uld"]
     assert L.auto_blocks(config) < L.auto_blocks(config, overwrite=False)

@@ -6,9 +6,9 @@ with the gradient written over the logits) and whole samples, against one proces
 import pytest
 import torch
 
-from losses_helpers import TP_WIDTH, every_config, run_spawned, tp_data, tp_run, write_projections
+from losses_helpers import config_names, TP_WIDTH, every_config, run_spawned, tp_data, tp_run, write_projections
 
-NAMES = tuple(every_config("p.pt"))
+NAMES = config_names()
 BLOCK_SIZES = (2, None, "overwrite")  # "overwrite": blocks of 2 with overwrite_logits=True
 
 

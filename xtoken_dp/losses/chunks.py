@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,8 +31,8 @@ from .parallel import dp_all_reduce_stack
 # %% auto #0
 __all__ = ['TINY', 'PKL_EPS', 'chunk_buckets', 'chunk_average_log_probs', 'chunk_first', 'reduce_chunks', 'chunk_sum',
            'valid_chunk_mask', 'as_flat_batch', 'alignment_from_flat_batch', 'GlobalNormalizers', 'Chunks',
-           'compute_global_normalizers', 'check_normalizers', 'check_targets', 'next_token_logprob', 'Microbatch',
-           'TeacherView', 'tempered', 'top1_index', 'prob_kl', 'log1mexp']
+           'compute_global_normalizers', 'check_normalizers', 'check_vocab_ids', 'check_targets', 'next_token_logprob',
+           'Microbatch', 'TeacherView', 'tempered', 'top1_index', 'prob_kl', 'log1mexp']
 
 # %% ../../nbs/08c_losses_chunks.ipynb #8ac97ad9
 def _check_max_chunks(max_chunks): return check_int("max_chunks", max_chunks, minimum=0)
@@ -371,6 +372,13 @@ def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def check_vocab_ids(name, ids, mask, vocab_size, what):
+    "A `ValueError` when an id where `mask` holds is not below `vocab_size` (one device sync), naming the field and the size."
+    if bool((mask & (ids >= vocab_size)).any()):
+        raise ValueError(f"{name} holds id {int(ids[mask].max())} at a real token; expected ids < {vocab_size} ({what}): "
+                         "is it len() of the tokenizer that made these ids?")
+
+
 def check_targets(targets, mask, width):
     "A `ValueError` when a target id where `mask` holds is not below the logits' `width` (one device sync)."
     if bool((mask & (targets >= width)).any()):
@@ -426,7 +434,8 @@ class Microbatch:
         self.targets = torch.zeros_like(self.ids)
         self.targets[:, :-1] = self.ids[:, 1:]
         self._chunks = {}
-        check_targets(self.ids, self.token_mask & self.sample_on[:, None].bool(), self.W)  # once for the whole microbatch
+        check_vocab_ids("input_ids", self.ids, self.token_mask & self.sample_on[:, None].bool(), config.student_vocab_size,
+                        "student_vocab_size")  # once for the whole microbatch
 
     @cached_property
     def z(self) -> Tensor:
@@ -453,6 +462,9 @@ class Microbatch:
         return self._chunks[i]
 
 # %% ../../nbs/08c_losses_chunks.ipynb #e9be43fd
+_IDS_CHECKED = weakref.WeakSet()  # teacher specs whose vocab_size a batch's teacher ids have been checked against
+
+
 class TeacherView:
     "Teacher `i`'s inputs for one loss call."
     def __init__(self, mb, i, raw):
@@ -467,6 +479,15 @@ class TeacherView:
         if self.spec.mode == "topk_kl" and self.T != mb.T:
             raise ValueError(f"teacher {i}: same-vocab mode needs teacher logits on the student's ids (T_t == T_s = "
                              f"{mb.T}), got T_t={self.T}")
+        if self.W < self.spec.vocab_size:
+            raise ValueError(f"teacher_logits[{i}]: teacher {i} ({self.spec.mode}) reads its vocabulary's "
+                             f"{self.spec.vocab_size} columns; expected a logit width W_t >= {self.spec.vocab_size}, got {self.W}")
+        if self.spec.mode != "topk_kl" and self.spec not in _IDS_CHECKED:  # once per teacher spec: a wrong vocab_size shows
+            ids = _token_field(mb.flat, f"teacher_{i}_input_ids", self.T, 0).to(mb.device, torch.int64)
+            mask = _token_field(mb.flat, f"teacher_{i}_token_mask", self.T, False).to(mb.device).bool()
+            check_vocab_ids(f"teacher_{i}_input_ids", ids, mask & mb.sample_on[:, None].bool(), self.spec.vocab_size,
+                            f"teacher {i}'s vocab_size")
+            _IDS_CHECKED.add(self.spec)
 
     fixed_columns = None  # [B, k] top-k columns chosen before a blockwise pass (None: chosen from these logits)
     kept = None  # the rows of the valid chunks, found before a blockwise pass (None: found from the chunks; False: every row)

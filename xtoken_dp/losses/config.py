@@ -20,6 +20,8 @@ from dataclasses import dataclass, fields
 from fastcore.basics import patch
 
 from ..core import check_bool, check_int
+from ..projection import ProjectionPairError, check_projection_pair
+from ..caches import file_identity
 
 # %% auto #0
 __all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TeacherLossSpec', 'XTokenLossConfig']
@@ -63,6 +65,9 @@ class TeacherLossSpec:
             raise ValueError(f"mode {self.mode!r} needs a projection_path, got None")
         if self.mode == "topk_kl" and path is not None:
             raise ValueError(f"mode 'topk_kl' (same vocabulary) uses no projection, got projection_path={path!r}")
+        if path is not None and not os.path.isfile(self.projection_path):
+            raise FileNotFoundError(f"projection_path: no projection file at {self.projection_path!r}; build one for this "
+                                    "pair with `xtoken-dp projection build --student STUDENT --teacher TEACHER --out FILE`")
         if self.vocab_size is None: raise ValueError("vocab_size (the teacher's len(tokenizer)) is required, got None")
         object.__setattr__(self, "vocab_size", check_int("vocab_size", self.vocab_size, minimum=1))
         object.__setattr__(self, "weight", _check_float("weight", self.weight))
@@ -144,8 +149,23 @@ def _teacher_specs(teachers):
     return tuple(specs)
 
 
+@functools.lru_cache(maxsize=64)
+def _checked_pair(path, identity, student_vocab_size, teacher_vocab_size):
+    "A projection file checked against the config's sizes once per file version (`identity` changes when it is rewritten)."
+    return check_projection_pair(path, student_vocab_size=student_vocab_size, teacher_vocab_size=teacher_vocab_size)
+
+
+def _check_projection_file(i, spec, student_vocab_size):
+    "Teacher `i`'s projection file against the sizes of the config (`ProjectionPairError` naming the teacher and the file)."
+    try: _checked_pair(spec.projection_path, file_identity(spec.projection_path), student_vocab_size, spec.vocab_size)
+    except ProjectionPairError as e:
+        e.args = (f"teacher {i} ({spec.mode}): {e}",)
+        raise
+
+
 def _validate_teachers(cfg):
     for i, spec in enumerate(cfg.teachers):
+        if spec.projection_path is not None: _check_projection_file(i, spec, cfg.student_vocab_size)
         if spec.mode == "topk_kl" and spec.vocab_size != cfg.student_vocab_size:
             raise ValueError(f"teacher {i}: same-vocab mode 'topk_kl' needs vocab_size == student_vocab_size="
                              f"{cfg.student_vocab_size}, got {spec.vocab_size}")

@@ -365,13 +365,14 @@ def _alm_target_logprob(teacher, chunks):
     if not teacher.alm_checked: check_alm_teacher(teacher, chunks)
     if teacher.is_record: return torch.where(chunks.tau >= 0, teacher.raw.target_logprob.to(teacher.mb.device, teacher.mb.dtype), 0.)
     _, targets = teacher.next_mask_and_targets
-    return next_token_logprob(teacher.logits, targets, chunks.tau >= 0, check=False)
+    logits = teacher.logits if teacher.W == teacher.spec.vocab_size else teacher.sliced(teacher.spec.vocab_size)
+    return next_token_logprob(logits, targets, chunks.tau >= 0, check=False)
 
 
 def check_alm_teacher(teacher, chunks):
     "ALM's checks of the teacher side (one device sync): a record's target log-probs exist and are numbers where read, targets fit the logits."
     if not teacher.is_record:
-        check_targets(teacher.next_mask_and_targets[1], chunks.tau >= 0, teacher.W)
+        check_targets(teacher.next_mask_and_targets[1], chunks.tau >= 0, teacher.spec.vocab_size)
         return
     lp = teacher.raw.target_logprob
     if lp is None: raise ValueError(f"teacher {teacher.i}: ALM needs target_logprob; publish the top-k record with target_ids")
@@ -381,7 +382,9 @@ def check_alm_teacher(teacher, chunks):
 
 def _alm_term(mb, teacher, chunks):
     cfg, C = mb.config, chunks.max_chunks
-    L_s = chunk_sum(next_token_logprob(mb.z, mb.targets, chunks.sigma >= 0, check=False), chunks.sigma, C)
+    V = cfg.student_vocab_size   # lm_head padding columns past V are no part of the chunk likelihood (as in every mode)
+    z = mb.z if mb.W == V else mb.sliced(V, f"teacher {teacher.i}'s alm term")
+    L_s = chunk_sum(next_token_logprob(z, mb.targets, chunks.sigma >= 0, check=False), chunks.sigma, C)
     L_t = chunk_sum(_alm_target_logprob(teacher, chunks), chunks.tau, C)
     tau = cfg.alm_tau
     # [B, C] values only: the divergence runs in fp64, where its two terms cancel without rounding below 0

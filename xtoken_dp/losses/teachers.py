@@ -29,7 +29,7 @@ __all__ = ['METRIC_REDUCTIONS', 'position_values', 'teacher_scores', 'teacher_we
 # %% ../../nbs/08f_losses_teachers.ipynb #d5d4776e
 def position_values(y, targets, mask, metric, width, check=True):
     "Per-position `−log p(x_t)`, entropy or max probability at temperature 1 of logits `y` (vocabulary `width`)."
-    if metric == "ce": return -next_token_logprob(y, targets, mask, check=check)
+    if metric == "ce": return -next_token_logprob(y[..., :width], targets, mask, check=check)
     log_p = torch.log_softmax(y[..., :width], -1)
     if metric == "entropy": return -(log_p.exp() * log_p).sum(-1)
     return log_p.amax(-1).exp()
