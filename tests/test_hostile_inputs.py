@@ -14,7 +14,11 @@ from tensordict import TensorDict
 from xtoken_dp.codec import WireFormatError, encode, to_nested_by_length
 from xtoken_dp.cli import main as cli_main
 from xtoken_dp.projection import UnsafeProjectionFileError, load_projection_object
+from xtoken_dp.core import offsets_of
+from xtoken_dp.dataplane import KVBatchMeta
+from xtoken_dp.dataproto import DataProto
 from xtoken_dp.schema import as_lengths, make_jagged
+from xtoken_dp.tensorclasses import RewardData, TokenSeq
 
 META = torch.device("meta")
 
@@ -32,7 +36,35 @@ CASES = {
                                                  ValueError, "values on meta and offsets on cpu"),
     "a wire batch on the meta device": (lambda: encode(TensorDict({"x": torch.zeros(2, 3, device=META)}, batch_size=[2])),
                                         WireFormatError, "fields ['x'] are on the meta device"),
+    "row offsets of lengths beyond int64": (lambda: offsets_of([1, 2**63]), ValueError, "expected ints that fit in int64"),
+    "row offsets whose total overflows": (lambda: offsets_of([2**62, 2**62]), ValueError, "whose total fits in int64"),
+    "a DataProto row index beyond int64": (lambda: DataProto.from_dict({"a": torch.zeros(3)})[[0, 2**63]], ValueError,
+                                           "index[1]: expected an int that fits in int64"),
+    "a DataProto repeated beyond int64": (lambda: DataProto.from_dict({"a": torch.zeros(3)}).repeat(2**63), ValueError,
+                                          "repeat_times: expected an int that fits in int64"),
+    "a tensorclass field of another batch size": (
+        lambda: RewardData(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(3, 3, dtype=torch.long),
+                           batch_size=[2]), ValueError, "RewardData.attention_mask: expected leading dims [2] (batch_size), got shape (3, 3)"),
+    "a token field of another batch size": (
+        lambda: TokenSeq(input_ids=torch.zeros(2, 3, dtype=torch.long), input_lengths=torch.ones(3, dtype=torch.long), batch_size=[2]),
+        ValueError, "TokenSeq.input_lengths: expected leading dims [2]"),
+    "receipts whose extra_info disagree": (
+        lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], extra_info={"step": 1}).concat(
+            KVBatchMeta(partition_id="p", sample_ids=["b"], fields=["x"], extra_info={"step": 2})),
+        ValueError, "concat: extra_info['step'] is 1 in receipt 0 and 2 in receipt 1"),
+    "a receipt whose extra_info is no dict": (
+        lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], extra_info=[("step", 1)]),
+        TypeError, "extra_info: expected a dict of batch-level values or None, got list"),
+    "a receipt length beyond int64": (
+        lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], sequence_lengths=[2**63]),
+        ValueError, "sequence_lengths[0]: expected an int >= 0 and <= 9223372036854775807"),
 }
+
+
+def test_receipts_that_agree_merge_their_extra_info():
+    a = KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], extra_info={"step": 1, "seed": [1, 2]})
+    b = KVBatchMeta(partition_id="p", sample_ids=["b"], fields=["x"], extra_info={"seed": [1, 2], "source": "rollout"})
+    assert a.concat(b).extra_info == {"step": 1, "seed": [1, 2], "source": "rollout"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

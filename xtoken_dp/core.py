@@ -14,9 +14,11 @@ import io
 import operator
 import pickletools
 import numpy as np
+import torch
 
 # %% auto #0
-__all__ = ['check_int', 'check_bool', 'offsets_of', 'dtype_name', 'one_line', 'CommandLineParser', 'pickled_globals']
+__all__ = ['check_int', 'int64_tensor', 'check_bool', 'offsets_of', 'dtype_name', 'one_line', 'CommandLineParser',
+           'pickled_globals']
 
 # %% ../nbs/00_core.ipynb #fd58a9a7
 def check_int(name: str,           # the argument's name, as the caller knows it
@@ -37,6 +39,17 @@ def check_int(name: str,           # the argument's name, as the caller knows it
         raise ValueError(f"{name}: expected {expected}, got {value}")
     return value
 
+# %% ../nbs/00_core.ipynb #b200a9b7
+def int64_tensor(name: str, # the argument's name, as the caller knows it
+                 values,    # a sequence of ints (Python or numpy)
+                ) -> torch.Tensor:
+    "`values` as an int64 tensor; an int outside int64 raises `ValueError` naming `name[i]` and the value."
+    try: return torch.tensor(values, dtype=torch.int64)
+    except (RuntimeError, OverflowError, ValueError):
+        bad = next(((i, v) for i, v in enumerate(values) if not -2**63 <= int(v) < 2**63), None)
+        if bad is None: raise
+        raise ValueError(f"{name}[{bad[0]}]: expected an int that fits in int64, got {bad[1]}") from None
+
 # %% ../nbs/00_core.ipynb #cedd39c3
 def check_bool(name: str, # the argument's name
                value,     # the value to check
@@ -50,9 +63,16 @@ def check_bool(name: str, # the argument's name
 def offsets_of(lengths, # row lengths (a 1-D array-like of non-negative ints)
               ) -> np.ndarray:
     "Row offsets `[0, l0, l0+l1, …]` (int64) of rows with the given lengths."
-    lengths = np.asarray(lengths)
+    given, lengths = lengths, np.asarray(lengths)
+    if lengths.size and lengths.dtype.kind not in "iu":
+        if isinstance(given, (list, tuple)) and all(type(v) is int for v in given):   # numpy made floats of ints past int64
+            raise ValueError(f"lengths: expected ints that fit in int64, got {max(given, key=abs)}")
+        raise TypeError(f"lengths: expected non-negative ints, got dtype {lengths.dtype}")
     out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
+    with np.errstate(over="ignore"): np.cumsum(lengths, out=out[1:])
+    if lengths.size and (lengths.min() < 0 or lengths.max() >= 2**63 or (out[1:] < out[:-1]).any()):
+        raise ValueError(f"lengths: expected non-negative ints whose total fits in int64, got values from "
+                         f"{lengths.min()} to {lengths.max()}")
     return out
 
 # %% ../nbs/00_core.ipynb #cde843dc

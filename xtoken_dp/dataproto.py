@@ -21,7 +21,7 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
-from .core import check_bool, check_int, dtype_name
+from .core import check_bool, check_int, dtype_name, int64_tensor
 from .schema import (DEFAULT_GROUP, FieldSpec, Schema, SchemaError, as_words, compact_jagged, lengths_to_offsets,
                               make_jagged, same_offsets)
 from .columns import (deep_equal, deserialize_single_tensor, deserialize_tensordict,
@@ -296,7 +296,7 @@ def _as_index_tensor(item) -> torch.Tensor:
     if isinstance(item, list):
         if all(isinstance(x, (bool, np.bool_)) for x in item) and item: return torch.tensor(item, dtype=torch.bool)
         if all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in item):
-            return torch.tensor(item, dtype=torch.int64)
+            return int64_tensor("index", item)
         raise TypeError(f"a list index must hold only ints or only bools, got {sorted({type(x).__name__ for x in item})}")
     raise TypeError(f"DataProto indices are ints, slices, int or bool tensors, lists and ndarrays; got {type(item).__name__}")
 
@@ -698,6 +698,7 @@ def repeat(self: DataProto, repeat_times: int = 2, # copies of each row, >= 1
           ) -> DataProto:
     "A copy with every row repeated `repeat_times` times; jagged fields work (verl's fails on them under tensordict 0.15.3) and `repeat_times < 1` raises `ValueError`."
     repeat_times = check_int("repeat_times", repeat_times, minimum=1)
+    if repeat_times >= 2**63: raise ValueError(f"repeat_times: expected an int that fits in int64, got {repeat_times}")
     rows = torch.arange(len(self))
     rows = rows.repeat_interleave(repeat_times) if interleave else rows.repeat(repeat_times)
     return self._gather(rows)
@@ -1078,7 +1079,7 @@ def _repeat_counts(repeat_times, n: int) -> torch.Tensor:
     elif isinstance(repeat_times, (list, tuple)):
         if not all(isinstance(c, (int, np.integer)) and not isinstance(c, (bool, np.bool_)) for c in repeat_times):
             raise TypeError(f"repeat_times must hold ints, got {list(repeat_times)[:8]}")
-        repeat_times = torch.tensor(list(repeat_times), dtype=torch.int64)
+        repeat_times = int64_tensor("repeat_times", list(repeat_times))
     elif not isinstance(repeat_times, torch.Tensor):
         raise TypeError(f"repeat_times must be a list, tuple, ndarray or tensor of ints, got {type(repeat_times).__name__}")
     if repeat_times.dtype == torch.bool or repeat_times.is_floating_point() or repeat_times.is_complex():

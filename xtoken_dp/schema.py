@@ -21,7 +21,7 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase, tensorclass
 
-from .core import check_int, dtype_name
+from .core import check_int, dtype_name, int64_tensor
 
 # %% auto #0
 __all__ = ['Layout', 'FieldKind', 'FIELD_KINDS', 'DEFAULT_GROUP', 'SCHEMA_FORMAT_VERSION', 'BLOCK_ELEMENTS', 'SchemaError',
@@ -515,11 +515,8 @@ def as_lengths(lengths, # integer `(N,)` tensor or a sequence of ints
         if lengths.is_meta: raise TypeError(f"{name} must hold data, got a tensor on the meta device (a shape only)")
         return lengths
     if isinstance(lengths, (list, tuple)):
-        ints = [v if type(v) is int else check_int(f"{name}[{i}]", v) for i, v in enumerate(lengths)]
-        try: return torch.tensor(ints, dtype=torch.int64)  # plain ints pass as they are; anything else gets the shared check
-        except (RuntimeError, OverflowError, ValueError):
-            i, v = next((i, v) for i, v in enumerate(ints) if not -2**63 <= v < 2**63)
-            raise ValueError(f"{name}[{i}]: expected an int that fits in int64, got {v}") from None
+        # plain ints pass as they are; anything else gets the shared check
+        return int64_tensor(name, [v if type(v) is int else check_int(f"{name}[{i}]", v) for i, v in enumerate(lengths)])
     if hasattr(lengths, "dtype") and hasattr(lengths, "shape") and getattr(lengths.dtype, "kind", "") in "iu":
         return torch.as_tensor(lengths)  # an integer numpy array
     raise TypeError(f"{name} must be an integer tensor or a sequence of ints, got {type(lengths).__name__}")

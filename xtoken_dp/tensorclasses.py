@@ -10,6 +10,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/tensorclasses.html.md"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -61,6 +62,22 @@ def _check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype):
     if leaf_dtype(t) not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(dtype_name(d) for d in dtypes)}, got {dtype_name(leaf_dtype(t))}")
 
+
+def _checks_batch_dims(cls):
+    "Wrap a tensorclass's constructor: a field whose leading dims are not `batch_size` raises `ValueError` naming it (tensordict's own check raises a `RuntimeError`)."
+    init = cls.__init__
+    @functools.wraps(init)
+    def __init__(self, *args, batch_size=None, **fields):
+        if batch_size is not None:
+            want = torch.Size([batch_size] if isinstance(batch_size, int) else batch_size)
+            for name, value in fields.items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape[:len(want)]) != tuple(want):
+                    raise ValueError(f"{cls.__name__}.{name}: expected leading dims {list(want)} (batch_size), got shape "
+                                     f"{tuple(value.shape)}")
+        init(self, *args, batch_size=batch_size, **fields)
+    cls.__init__ = __init__
+    return cls
+
 # %% ../nbs/02b_tensorclasses.ipynb #2825d280
 def _check_reward_data(rd):
     ids, dims = rd.input_ids, rd.batch_dims
@@ -74,6 +91,7 @@ def _check_reward_data(rd):
         raise ValueError(f"end_scores must be ({'N' if dims else ''},), got {getattr(rd.end_scores, 'shape', rd.end_scores)}")
 
 
+@_checks_batch_dims
 @tensorclass
 class RewardData:
     "Reward-model data: token ids, attention mask, optional per-token rewards and end scores; padded or jagged."
@@ -106,6 +124,7 @@ def _check_token_seq(ts):
     _check_dtype("TokenSeq.input_lengths", ts.input_lengths, torch.int64)
 
 
+@_checks_batch_dims
 @tensorclass
 class TokenSeq:
     "One side's tokens: jagged int64 ids, a jagged bool loss mask sharing their offsets, and `(N,)` lengths."
@@ -188,6 +207,7 @@ def _check_teacher_seq(ts):
         _share(ts, "alignment", _alignment_on(ts.alignment, sides))
 
 
+@_checks_batch_dims
 @tensorclass
 class TeacherSeq:
     "One teacher: its tokens, its alignment with the student (None: same vocabulary) and optional top-k predictions."
@@ -239,6 +259,7 @@ def _check_distill_batch(db):
         if rebuilt is not None: db.teachers.set(key, rebuilt)
 
 
+@_checks_batch_dims
 @tensorclass
 class DistillBatch:
     "A distillation batch: the student's tokens, per-sample mask and index, and the teachers (tokens, alignment, top-k)."

@@ -21,6 +21,7 @@ import torch
 from fastcore.basics import patch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from ..columns import deep_equal
 from ..codec import materialize, object_stack, pack_jagged_fields
 from ..core import check_int, offsets_of
 from ..schema import FieldSpec, Schema, infer_schema, is_jagged, jagged_lengths, make_jagged
@@ -88,8 +89,8 @@ def _row_tuple(name: str, values, n: int | None = None) -> tuple[int, ...]:
     if isinstance(values, torch.Tensor): values = values.tolist()
     elif isinstance(values, np.ndarray): values = values.tolist()
     out = tuple(values)
-    if not all(type(v) is int and v >= 0 for v in out):   # plain ints pass as they are; the rest is checked by name
-        out = tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(out))
+    if not all(type(v) is int and 0 <= v < 2**63 for v in out):   # plain int64s pass as they are; the rest is checked by name
+        out = tuple(check_int(f"{name}[{i}]", v, minimum=0, maximum=2**63 - 1) for i, v in enumerate(out))
     if n is not None and len(out) != n:
         raise ValueError(f"{name}: expected {n} row lengths (one per sample id), got {len(out)}")
     return out
@@ -220,6 +221,8 @@ class KVBatchMeta:
         first = next(iter(schema.groups()), next(iter(self.group_lengths), None))
         self.sequence_lengths = (list(_row_tuple("sequence_lengths", sequence_lengths, n)) if sequence_lengths is not None
                                  else list(self.group_lengths[first]) if first is not None else None)
+        if extra_info is not None and not isinstance(extra_info, Mapping):
+            raise TypeError(f"extra_info: expected a dict of batch-level values or None, got {type(extra_info).__name__}")
         self.extra_info, self.tags = dict(extra_info or {}), _check_tags(tags, n)
         self.pad_to_seqlen = {g: self._checked_pad(g, w) for g, w in dict(pad_to_seqlen or {}).items()}
         self.generations = None if generations is None else list(generations)
@@ -331,18 +334,31 @@ def _joined(metas: list, attr: str) -> list | None:
     return None if any(p is None for p in parts) else [v for p in parts for v in p]
 
 
+def _merged_extra_info(metas: list) -> dict:
+    "Every receipt's `extra_info` in one dict; a key that two receipts give different values is refused, not dropped."
+    out, source = {}, {}
+    for i, m in enumerate(metas):
+        for key, value in m.extra_info.items():
+            if key in out and not deep_equal(out[key], value):
+                raise ValueError(f"concat: extra_info[{key!r}] is {out[key]!r:.60} in receipt {source[key]} and {value!r:.60} "
+                                 f"in receipt {i}; make them agree, or drop the key from one of them")
+            out.setdefault(key, value); source.setdefault(key, i)
+    return out
+
+
 def concat_metas(metas: Sequence[KVBatchMeta] # receipts of one partition and one schema, disjoint keys
                 ) -> KVBatchMeta:
-    "One receipt for the rows of all `metas`, in order."
+    "One receipt for the rows of all `metas`, in order; their `extra_info` merged (a conflicting key is refused)."
     metas = list(metas)
     if not metas: raise ValueError("metas: expected at least one KVBatchMeta, got none")
     for m in metas: _check_concat(metas[0], m)
+    extra_info = _merged_extra_info(metas)
     pads = {}
     for m in metas:
         for g, w in m.pad_to_seqlen.items(): pads[g] = max(w, pads.get(g, 0))
     first = metas[0]
     return _replace(first, sample_ids=_joined(metas, "sample_ids"), sequence_lengths=_joined(metas, "sequence_lengths"),
-                    tags=_joined(metas, "tags"), pad_to_seqlen=pads, generations=_joined(metas, "generations"),
+                    tags=_joined(metas, "tags"), pad_to_seqlen=pads, generations=_joined(metas, "generations"), extra_info=extra_info,
                     group_lengths={g: [v for m in metas for v in m.group_lengths[g]] for g in first.group_lengths})
 
 
