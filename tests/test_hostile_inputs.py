@@ -55,6 +55,9 @@ CASES = {
     "a receipt whose extra_info is no dict": (
         lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], extra_info=[("step", 1)]),
         TypeError, "extra_info: expected a dict of batch-level values or None, got list"),
+    "a receipt sliced from a bool": (
+        lambda: KVBatchMeta(partition_id="p", sample_ids=["a", "b"], fields=["x"]).slice(True, 2),
+        TypeError, "start: expected an int, got bool True"),
     "a receipt length beyond int64": (
         lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], sequence_lengths=[2**63]),
         ValueError, "sequence_lengths[0]: expected an int >= 0 and <= 9223372036854775807"),

@@ -245,7 +245,8 @@ class KVBatchMeta:
     def __len__(self) -> int: return len(self.sample_ids)
 
     def slice(self, start: int, stop: int | None = None) -> KVBatchMeta:
-        "The receipt of rows `start:stop` (see `subset`)."
+        "The receipt of rows `start:stop` (see `subset`); bounds are ints (a bool is refused, as in `subset`)."
+        start, stop = check_int("start", start), check_int("stop", stop, optional=True)
         return self.subset(range(self.size)[start:stop])
 
     def __repr__(self) -> str:
