@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import warnings
 
 import pytest
@@ -162,3 +163,209 @@ def test_two_gloo_processes_equal_one_process(parts, tmp_path):
         logged = result["log_history"][0]
         assert logged["loss"] == pytest.approx(_losses(single)[0], rel=1e-6)
         assert logged["num_valid_samples"] == 2.0  # the metrics are reduced over both ranks
+
+
+# ---- mistakes refused when the trainer is built (each trained, or failed at the first step, before) ----
+
+def _other_teacher_tok():
+    return train_toy_tokenizer("bpe_bytelevel_digits", vocab_size=300)  # another teacher, with a vocabulary of the same size
+
+
+@pytest.fixture(scope="module")
+def projections(parts, tmp_path_factory):
+    "Projection files: the pair's own, one built for another teacher of the same size, and the pair's built backwards."
+    from xtoken_dp.projection import build_projection_file
+    folder = tmp_path_factory.mktemp("projections")
+    student, teacher = parts["student_tok"], parts["teacher_tok"]
+    for name, pair in {"ours": (student, teacher), "other": (student, _other_teacher_tok()), "reversed": (teacher, student)}.items():
+        build_projection_file(*pair, folder / f"{name}.pt", progress=False)
+    return folder
+
+
+def _config(parts, mode="alm", *, path=None, student_vocab_size=None, teacher_vocab_size=None):
+    return XTokenLossConfig(student_vocab_size=student_vocab_size or len(parts["student_tok"]),
+                            teachers=[TeacherLossSpec(mode, projection_path=path,
+                                                      vocab_size=teacher_vocab_size or len(parts["teacher_tok"]))])
+
+
+def _refused(build, *, match):
+    "The construction-time refusal: a ValueError (a DistillationSetupError) whose message matches."
+    with pytest.raises(ValueError, match=match) as refused:
+        build()
+    assert type(refused.value).__name__ == "DistillationSetupError"
+    return str(refused.value)
+
+
+def test_a_jagged_collator_is_refused_when_the_trainer_is_built(parts, tmp_path):
+    # before: construction passed and step 1 failed inside transformers (TypeError: can only join an iterable)
+    student, teacher = parts["student_tok"], parts["teacher_tok"]
+    jagged = CrossTokenizerCollator(student_tokenizer=student, teacher_tokenizer=teacher, aligner=TokenAligner(student, teacher),
+                                    ctx_length_student=48, ctx_length_teacher=48, output="jagged")
+    message = _refused(lambda: build_trainer(tmp_path, dict(parts, collator=jagged)),
+                       match=r"data_collator: expected output='padded' .*, got output='jagged'")
+    assert "collator.materialize(batch) pads a jagged batch" in message
+
+
+def test_an_embedding_smaller_than_its_tokenizer_is_refused(parts, tmp_path):
+    # before: step 1 failed with a bare IndexError (index out of range in self) inside the embedding lookup
+    small_teacher = LlamaForCausalLM(LlamaConfig(vocab_size=280, **TINY))
+    message = _refused(lambda: build_trainer(tmp_path, dict(parts, teacher=small_teacher)),
+                       match=r"teachers\[0\]: expected an input embedding of at least 300 rows \(len of teacher 0's tokenizer\), "
+                             r"got 280 rows")
+    assert "resize_token_embeddings(300)" in message
+    small_student = Qwen2ForCausalLM(Qwen2Config(vocab_size=290, **TINY))
+    _refused(lambda: build_trainer(tmp_path, dict(parts, student=small_student)),
+             match=r"model: expected an input embedding of at least 300 rows \(len of the student's tokenizer\), got 290 rows")
+
+
+def test_vocabulary_sizes_that_contradict_the_tokenizers_are_refused(parts, tmp_path):
+    # before: both trained without a word, on a vocabulary that was not the tokenizer's
+    message = _refused(lambda: build_trainer(tmp_path, parts, loss_config=_config(parts, student_vocab_size=290)),
+                       match=r"loss_config.student_vocab_size: expected len\(collator.student_tokenizer\) = 300, got 290")
+    assert "counts the padding as vocabulary" in message
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=312, **TINY))
+    _refused(lambda: build_trainer(tmp_path, dict(parts, teacher=wide), loss_config=_config(parts, teacher_vocab_size=312)),
+             match=r"loss_config.teachers\[0\].vocab_size: expected len\(collator.teacher_tokenizers\[0\]\) = 300, got 312")
+
+
+def test_logits_narrower_than_the_vocabulary_are_refused_and_padding_columns_are_allowed(parts, tmp_path):
+    narrow = copy.deepcopy(parts["student"])
+    narrow.lm_head = torch.nn.Linear(TINY["hidden_size"], 280, bias=False)
+    _refused(lambda: build_trainer(tmp_path, dict(parts, student=narrow)),
+             match=r"model: expected an output width of at least loss_config.student_vocab_size = 300 .*, got 280 logits")
+    torch.manual_seed(0)
+    padded = dict(parts, student=Qwen2ForCausalLM(Qwen2Config(vocab_size=320, **TINY)),
+                  teacher=LlamaForCausalLM(LlamaConfig(vocab_size=336, **TINY)))  # lm_heads wider than the tokenizers
+    trainer = build_trainer(tmp_path, padded)
+    trainer.train()
+    assert torch.isfinite(torch.tensor(_losses(trainer))).all()
+
+
+@pytest.mark.parametrize("mode", ["gold", "hkl", "pkl"])
+def test_a_projection_built_for_another_teacher_is_refused(parts, projections, tmp_path, mode):
+    # before: gold and hkl read it and produced a loss (the sizes agree, only the teacher differs)
+    message = _refused(lambda: build_trainer(tmp_path, parts, loss_config=_config(parts, mode, path=projections / "other.pt")),
+                       match=r"loss_config.teachers\[0\].projection_path: expected a projection from the collator's student "
+                             r"tokenizer to teacher_tokenizers\[0\]")
+    assert str(projections / "other.pt") in message and "teacher_fingerprint" in message and "built for another pair" in message
+    assert "xtoken-dp projection build" in message
+
+
+def test_a_projection_built_backwards_is_refused(parts, projections, tmp_path):
+    _refused(lambda: build_trainer(tmp_path, parts, loss_config=_config(parts, "gold", path=projections / "reversed.pt")),
+             match=r"it was built in the other direction \(from this teacher to this student\)")
+    build_trainer(tmp_path, parts, loss_config=_config(parts, "gold", path=projections / "ours.pt"))  # the pair's own passes
+
+
+def test_a_mode_that_contradicts_the_collator_layout_is_refused(parts, tmp_path):
+    # before: a cross-tokenizer teacher in the same-vocabulary mode trained silently on misaligned positions
+    _refused(lambda: build_trainer(tmp_path, parts, loss_config=_config(parts, "topk_kl", teacher_vocab_size=300)),
+             match=r"loss_config.teachers\[0\].mode: expected a cross-tokenizer mode .*, got 'topk_kl'")
+    student = parts["student_tok"]
+    same_vocab = CrossTokenizerCollator(student_tokenizer=student, teacher_tokenizers=[student], aligners=[None],
+                                        ctx_length_student=48, ctx_length_teachers=[None])
+    # before: step 1 failed with KeyError: missing key 'alignment_0_pair_valid'
+    _refused(lambda: build_trainer(tmp_path, dict(parts, collator=same_vocab, teacher=copy.deepcopy(parts["student"]))),
+             match=r"loss_config.teachers\[0\].mode: expected mode 'topk_kl', got 'alm'")
+
+
+def test_check_distillation_setup_serves_a_loop_of_your_own(parts, projections):
+    from xtoken_dp.trainer import DistillationSetupError, check_distillation_setup
+    good = _config(parts, "gold", path=projections / "ours.pt")
+    assert check_distillation_setup(good, parts["collator"], parts["student"], [parts["teacher"]]) is None
+    with pytest.raises(DistillationSetupError) as refused:
+        check_distillation_setup(_config(parts, "gold", path=projections / "other.pt"), parts["collator"])
+    assert refused.value.argument == "loss_config.teachers[0].projection_path"
+    assert refused.value.__cause__.reversed is False  # the projection module's ProjectionPairError, kept as the cause
+
+
+# ---- evaluation ----
+
+SHORT_TEXTS = ["naïve café", "def f(x):\n    return x + 1", "42 is the answer", "the quick brown fox"]
+
+
+def _evaluator(parts, tmp_path, *, eval_batch, **kw):
+    return XTokenDistillTrainer(model=copy.deepcopy(parts["student"]), teachers=[parts["teacher"]], data_collator=parts["collator"],
+                                args=XTokenDistillTrainingArguments(output_dir=str(tmp_path), loss_config=parts["config"],
+                                                                    report_to=[], use_cpu=True, disable_tqdm=True,
+                                                                    per_device_eval_batch_size=eval_batch), **kw)
+
+
+def test_bits_per_byte_equals_a_hand_computation(parts, tmp_path):
+    tok, student = parts["student_tok"], parts["student"]
+    metrics = _evaluator(parts, tmp_path, eval_batch=3).evaluate(eval_dataset=[{"text": t} for t in SHORT_TEXTS])
+    nats = 0.0
+    for text in SHORT_TEXTS:
+        ids = tok(text, return_tensors="pt").input_ids
+        assert tok.convert_ids_to_tokens(ids[0, :1].tolist()) == ["▁"]  # the dummy prefix: the unscored first token covers no byte
+        with torch.no_grad():
+            log_p = student(input_ids=ids).logits.double().log_softmax(-1)
+        nats -= float(log_p[0, :-1].gather(-1, ids[0, 1:, None]).sum())
+    total_bytes = sum(len(t.encode("utf-8")) for t in SHORT_TEXTS)
+    assert metrics["eval_num_bytes"] == total_bytes
+    assert metrics["eval_bits_per_byte"] == pytest.approx(nats / math.log(2) / total_bytes, rel=1e-5)
+
+
+def test_eval_ce_and_kd_losses_match_xtoken_kd_loss_on_the_same_samples(parts, tmp_path):
+    data = parts["data"][:5]
+    metrics = _evaluator(parts, tmp_path, eval_batch=2).evaluate(eval_dataset=data)  # batches of 2, 2 and 1
+    batch = parts["collator"](data)
+    with torch.no_grad():
+        logits = parts["student"](input_ids=batch["input_ids"], attention_mask=batch["token_mask"]).logits
+        teacher = parts["teacher"](input_ids=batch["teacher_0_input_ids"], attention_mask=batch["teacher_0_token_mask"]).logits
+        loss, at_once = xtoken_kd_loss(logits, batch, {0: teacher}, config=parts["config"],
+                                       normalizers=compute_global_normalizers(batch, parts["config"]))
+    assert metrics["eval_ce_loss"] == pytest.approx(float(at_once["ce_loss"]), rel=1e-5)
+    assert metrics["eval_kd_loss_t0"] == pytest.approx(float(at_once["kl_loss_t0"]), rel=1e-5)
+    assert metrics["eval_kd_loss"] == pytest.approx(float(at_once["kl_loss"]), rel=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx(float(at_once["accuracy"]), rel=1e-5)
+    assert metrics["eval_num_tokens"] == float(at_once["num_valid_tokens"])
+    assert metrics["eval_num_chunks_t0"] == float(at_once["num_valid_chunks_t0"])
+
+
+def test_compute_metrics_receives_per_batch_sums_that_give_the_same_metrics(parts, tmp_path):
+    from xtoken_dp.trainer import eval_ratio_names, evaluation_metrics
+    received = []
+    def compute_metrics(prediction):
+        received.append(prediction)
+        return {"bpb_again": float(prediction.predictions[:, 1].sum() / prediction.label_ids[:, 1].sum())}
+    trainer = _evaluator(parts, tmp_path, eval_batch=3, compute_metrics=compute_metrics)
+    metrics = trainer.evaluate(eval_dataset=parts["data"][:7])
+    (prediction,) = received
+    names = eval_ratio_names(parts["config"])
+    assert prediction.predictions.shape == prediction.label_ids.shape == (3, len(names))  # one row per batch, no logits
+    again = evaluation_metrics(prediction.predictions.sum(0), prediction.label_ids.sum(0), parts["config"])
+    for name, value in again.items():
+        assert metrics[f"eval_{name}"] == pytest.approx(value, rel=1e-12), name
+    assert metrics["eval_bpb_again"] == pytest.approx(metrics["eval_bits_per_byte"], rel=1e-12)
+
+
+def test_a_saved_student_reloads_with_both_tokenizers_and_the_loss_config(parts, projections, tmp_path):
+    from xtoken_dp.tokenizers import tokenizer_fingerprint
+    from xtoken_dp.trainer import check_distillation_setup, load_loss_config, load_pair_tokenizers
+    config = _config(parts, "gold", path=projections / "ours.pt")
+    trainer = build_trainer(tmp_path / "run", parts, loss_config=config)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    student_tok, (teacher_tok,) = load_pair_tokenizers(tmp_path / "saved")
+    assert [tokenizer_fingerprint(t) for t in (student_tok, teacher_tok)] == \
+        [tokenizer_fingerprint(t) for t in (parts["student_tok"], parts["teacher_tok"])]
+    assert load_loss_config(tmp_path / "saved") == config
+    reloaded = Qwen2ForCausalLM.from_pretrained(tmp_path / "saved")
+    collator = CrossTokenizerCollator(student_tokenizer=student_tok, teacher_tokenizer=teacher_tok,
+                                      aligner=TokenAligner(student_tok, teacher_tok), ctx_length_student=48, ctx_length_teacher=48)
+    assert check_distillation_setup(load_loss_config(tmp_path / "saved"), collator, reloaded, [parts["teacher"]]) is None
+    torch.testing.assert_close(_flat_params(reloaded), _flat_params(trainer.model), rtol=0, atol=0)
+
+
+def test_byte_counts_of_truncated_samples_are_the_bytes_kept(parts):
+    from xtoken_dp.trainer import ByteCountingCollator
+    student, teacher = parts["student_tok"], parts["teacher_tok"]
+    collator = CrossTokenizerCollator(student_tokenizer=student, teacher_tokenizer=teacher, aligner=TokenAligner(student, teacher),
+                                      ctx_length_student=24, ctx_length_teacher=24, emit_dropped_bytes=True)
+    data = parts["data"][:4]
+    batch = ByteCountingCollator(collator)(data)
+    kept = [len(d["text"].encode("utf-8")) - int(dropped) for d, dropped in zip(data, batch["dropped_bytes"])]
+    assert int(batch["dropped_bytes"].min()) > 0  # every sample was cut
+    assert batch["student_token_bytes"].sum(1).tolist() == kept

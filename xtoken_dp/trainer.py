@@ -1,6 +1,6 @@
 """`XTokenDistillTrainer`: a `transformers.Trainer` whose loss distills frozen teachers with other tokenizers into the student, exactly normalised over gradient accumulation and data-parallel ranks.
 
-The distillation losses inside `transformers.Trainer`: live or precomputed teachers, the step's global normalisers from the Trainer's own microbatches, metrics in its logs, checkpoints and data-parallel launches.
+The distillation losses inside `transformers.Trainer`: live or precomputed teachers, the step's global normalisers from the Trainer's own microbatches, metrics in its logs, the set-up's mistakes refused before the first step, an evaluation in bits per byte, checkpoints that carry both tokenizers, and data-parallel launches.
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/trainer.html.md"""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import tempfile
@@ -18,19 +19,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 from fastcore.basics import patch
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 
+from .tokenizers import TokenSpans, batch_token_byte_spans, load_tokenizer_spec
+from .projection import ProjectionPairError, check_projection_pair
+from .losses import (LOSS_MODES, GlobalNormalizers, XTokenLossConfig, combine_losses, compute_global_normalizers,
+                              dp_all_reduce_stack, dp_world_size, reduce_metrics, teacher_weights, xtoken_kd_loss)
 from .ipc import TeacherLogitsProducer, TopKTeacherLogits, rebuild_teacher_full_logits_from_ipc
-from .losses import (GlobalNormalizers, XTokenLossConfig, compute_global_normalizers, dp_world_size,
-                              reduce_metrics, xtoken_kd_loss)
 
 # %% auto #0
-__all__ = ['LOSS_CONFIG_NAME', 'loss_config_of', 'XTokenDistillTrainingArguments', 'teacher_input_keys', 'run_teacher',
-           'next_token_targets', 'XTokenDistillTrainer', 'train_data_parallel', 'topk_record_of',
+__all__ = ['LOSS_CONFIG_NAME', 'TEACHER_TOKENIZER_DIR', 'loss_config_of', 'XTokenDistillTrainingArguments', 'teacher_input_keys',
+           'run_teacher', 'next_token_targets', 'DistillationSetupError', 'input_embedding_rows', 'output_width',
+           'check_collator_output', 'collator_tokenizers', 'check_teacher_layout', 'check_vocab_sizes',
+           'check_projection_files', 'check_model_sizes', 'check_distillation_setup', 'XTokenDistillTrainer',
+           'train_data_parallel', 'save_pair_tokenizers', 'load_pair_tokenizers', 'load_loss_config',
+           'new_bytes_per_token', 'student_token_bytes', 'ByteCountingCollator', 'counts_bytes', 'fixed_combination',
+           'eval_ratio_names', 'evaluation_sums', 'evaluation_metrics', 'target_bytes', 'topk_record_of',
            'PrecomputedTeacherLogits', 'precompute_teacher_logits']
 
 # %% ../nbs/10a_trainer.ipynb #13d14cb3
@@ -88,6 +97,160 @@ def next_token_targets(ids: Tensor, # [B, T] token ids
     out[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)
     return out
 
+# %% ../nbs/10a_trainer.ipynb #935e3bf3
+class DistillationSetupError(ValueError):
+    "A distillation set-up that cannot train as meant: names the argument, the expected and the actual value, and what to do."
+    def __init__(self, argument: str, # what is wrong, as the caller wrote it (e.g. `loss_config.teachers[0].vocab_size`)
+                 expected, # what it must be
+                 actual, # what it is
+                 advice: str, # what to do
+                ):
+        self.argument, self.expected, self.actual, self.advice = argument, expected, actual, advice
+        super().__init__(f"{argument}: expected {expected}, got {actual}. {advice}")
+
+
+def input_embedding_rows(model) -> int | None:
+    "Rows of `model`'s input embedding (`get_input_embeddings()`), None when the model does not say."
+    get = getattr(model, "get_input_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    return None if weight is None else int(weight.shape[0])
+
+
+def output_width(model) -> int | None:
+    "Columns of `model`'s logits: its lm_head's rows (`get_output_embeddings()`), else `config.vocab_size`, else None."
+    get = getattr(model, "get_output_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    if weight is not None: return int(weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+# %% ../nbs/10a_trainer.ipynb #072b5ab8
+def check_collator_output(collator, # the Trainer's data collator
+                         ) -> None:
+    "Refuse a collator whose batches the Trainer cannot use: a `CrossTokenizerCollator(output='jagged')`."
+    output = getattr(collator, "output", "padded")
+    if output != "padded":
+        raise DistillationSetupError(
+            "data_collator", "output='padded' (a flat dict of padded tensors, what a Trainer batch is)", f"output={output!r}",
+            "Build the CrossTokenizerCollator with output='padded': the jagged TensorDict is the wire format between "
+            "processes, and collator.materialize(batch) pads a jagged batch received from the wire.")
+
+
+def collator_tokenizers(collator) -> tuple:
+    "`(student tokenizer, teacher tokenizers)` of a `CrossTokenizerCollator`; `(None, None)` for a collator without them."
+    student, teachers = getattr(collator, "student_tokenizer", None), getattr(collator, "teacher_tokenizers", None)
+    return student, (None if teachers is None else tuple(teachers))
+
+
+def check_teacher_layout(loss_config: XTokenLossConfig, # the loss configuration
+                         layout: Sequence[bool], # True = cross-tokenizer, per teacher (the collator's teacher_layout)
+                        ) -> None:
+    "Refuse a teacher count the collator does not have, and a mode that contradicts how the collator treats a teacher."
+    n = len(loss_config.teachers)
+    if len(layout) != n:
+        raise DistillationSetupError("teacher_layout", f"{n} entries (one per teacher of loss_config)", len(layout),
+                                     "Give the collator one teacher tokenizer (and aligner) per TeacherLossSpec, in the same order.")
+    for i, (cross, spec) in enumerate(zip(layout, loss_config.teachers)):
+        if cross == (spec.mode != "topk_kl"): continue
+        expected, why = ((f"a cross-tokenizer mode ({', '.join(m for m in LOSS_MODES if m != 'topk_kl')})",
+                          "The collator aligns this teacher's own tokenisation, whose positions and ids are not the student's")
+                         if cross else ("mode 'topk_kl'", "The collator treats this teacher as same-vocabulary (aligner None) and "
+                                        "writes no alignment for it"))
+        raise DistillationSetupError(f"loss_config.teachers[{i}].mode", expected, repr(spec.mode),
+                                     f"{why}: make the mode and the collator's aligners[{i}] agree.")
+
+
+def check_vocab_sizes(loss_config: XTokenLossConfig, # the loss configuration
+                      collator, # a CrossTokenizerCollator (a collator without tokenizers is not checked)
+                     ) -> None:
+    "Refuse vocabulary sizes that differ from the collator's tokenizers: `len(tokenizer)`, never a model's padded width."
+    student, teachers = collator_tokenizers(collator)
+    if student is None: return
+    advice = ("Set it to len(tokenizer): the loss reads that many columns of the logits and treats the rest as lm_head "
+              "padding, so a size taken from a model's config.vocab_size counts the padding as vocabulary.")
+    if loss_config.student_vocab_size != len(student):
+        raise DistillationSetupError("loss_config.student_vocab_size", f"len(collator.student_tokenizer) = {len(student):,}",
+                                     f"{loss_config.student_vocab_size:,}", advice)
+    layout = getattr(collator, "teacher_layout", None) or (True,) * len(loss_config.teachers)
+    for i, spec in enumerate(loss_config.teachers):
+        if teachers is None or i >= len(teachers): continue
+        size, what = ((len(teachers[i]), f"len(collator.teacher_tokenizers[{i}])") if layout[i] else
+                      (len(student), "len(collator.student_tokenizer), the vocabulary a same-vocabulary teacher shares"))
+        if spec.vocab_size != size:
+            raise DistillationSetupError(f"loss_config.teachers[{i}].vocab_size", f"{what} = {size:,}", f"{spec.vocab_size:,}", advice)
+
+# %% ../nbs/10a_trainer.ipynb #20d66c95
+def check_projection_files(loss_config: XTokenLossConfig, # the loss configuration
+                           collator, # a CrossTokenizerCollator (a collator without tokenizers is not checked)
+                          ) -> None:
+    "Refuse a projection file built for another pair, or in the other direction, than the collator's tokenizers."
+    student, teachers = collator_tokenizers(collator)
+    if student is None or teachers is None: return
+    for i, spec in enumerate(loss_config.teachers):
+        if spec.projection_path is None or i >= len(teachers): continue
+        try: check_projection_pair(spec.projection_path, student=student, teacher=teachers[i])
+        except ProjectionPairError as e:
+            direction = ("it was built in the other direction (from this teacher to this student)" if e.reversed
+                         else "it was built for another pair")
+            raise DistillationSetupError(
+                f"loss_config.teachers[{i}].projection_path",
+                f"a projection from the collator's student tokenizer to teacher_tokenizers[{i}] (mode {spec.mode!r})",
+                f"{e.path}, where {'; '.join(e.problems)}",
+                f"The loss would read it without complaint, but {direction}: build one for this pair with "
+                "`xtoken-dp projection build --student STUDENT --teacher TEACHER --out FILE` "
+                "(or `xtoken_dp.projection.build_projection_file(student_tokenizer, teacher_tokenizer, FILE)`).") from e
+
+# %% ../nbs/10a_trainer.ipynb #263c875b
+def _check_model(argument, who, model, tokenizer, vocab_size, vocab_argument):
+    "One model's input embedding against its tokenizer and its output width against the configured vocabulary size."
+    rows, need = input_embedding_rows(model), len(tokenizer) if tokenizer is not None else vocab_size
+    if rows is not None and rows < need:
+        raise DistillationSetupError(
+            argument, f"an input embedding of at least {need:,} rows (len of {who}'s tokenizer)", f"{rows:,} rows",
+            f"Token ids up to {need - 1:,} would index past {who}'s embedding (an IndexError at the first step): give "
+            f"{who} the model of this tokenizer, or resize its embeddings (model.resize_token_embeddings({need})).")
+    width = output_width(model)
+    if width is not None and width < vocab_size:
+        raise DistillationSetupError(
+            argument, f"an output width of at least {vocab_argument} = {vocab_size:,} (a wider lm_head is padding, which the "
+            "loss ignores)", f"{width:,} logits per position",
+            f"{who.capitalize()}'s logits cannot hold a distribution over its vocabulary: give {who} the model of this "
+            f"tokenizer, or set {vocab_argument} to the tokenizer's length.")
+
+
+def check_model_sizes(loss_config: XTokenLossConfig, # the loss configuration
+                      collator, # the data collator (its tokenizers, when it has them)
+                      student: nn.Module | None = None, # the student (None: not checked)
+                      teachers: Sequence[nn.Module | None] | None = None, # one model per teacher (None entries: precomputed)
+                     ) -> None:
+    "Refuse a model whose input embedding is smaller than its tokenizer, or whose logits are narrower than its vocabulary."
+    student_tok, teacher_toks = collator_tokenizers(collator)
+    if student is not None:
+        _check_model("model", "the student", student, student_tok, loss_config.student_vocab_size, "loss_config.student_vocab_size")
+    for i, (model, spec) in enumerate(zip(teachers or (), loss_config.teachers)):
+        if model is None: continue
+        tokenizer = teacher_toks[i] if teacher_toks is not None and i < len(teacher_toks) else None
+        _check_model(f"teachers[{i}]", f"teacher {i}", model, tokenizer, spec.vocab_size, f"loss_config.teachers[{i}].vocab_size")
+
+# %% ../nbs/10a_trainer.ipynb #ff730863
+def check_distillation_setup(loss_config: XTokenLossConfig | Mapping, # the loss configuration (or a dict of its fields)
+                             collator, # the data collator, normally a padded CrossTokenizerCollator
+                             student: nn.Module | None = None, # the student model (None: not checked)
+                             teachers: Sequence[nn.Module | None] | None = None, # one model per teacher (None entries: precomputed)
+                             *, teacher_layout: Sequence[bool] | None = None, # True = cross-tokenizer (default: the collator's)
+                            ) -> None:
+    "Every check of this section, cheapest first: a `DistillationSetupError` for the first mistake, None when all agree."
+    loss_config = loss_config_of(loss_config)
+    check_collator_output(collator)
+    layout = teacher_layout if teacher_layout is not None else getattr(collator, "teacher_layout", None)
+    if layout is not None: check_teacher_layout(loss_config, layout)
+    if teachers is not None and len(teachers) != len(loss_config.teachers):
+        raise DistillationSetupError("teachers", f"{len(loss_config.teachers)} (one per teacher of loss_config)", len(teachers),
+                                     "Give one model per TeacherLossSpec, in the same order (None where precomputed logits serve it).")
+    check_vocab_sizes(loss_config, collator)
+    check_model_sizes(loss_config, collator, student, teachers)
+    check_projection_files(loss_config, collator)
+
 # %% ../nbs/10a_trainer.ipynb #ac250a71
 def _teacher_layout(layout, collator, n: int) -> tuple[bool, ...]:
     "One bool per teacher (True = cross-tokenizer): the given layout, else the collator's."
@@ -131,13 +294,14 @@ class XTokenDistillTrainer(Trainer):
             raise TypeError(f"args: expected XTokenDistillTrainingArguments, got {type(args).__name__}")
         if teacher_logits is not None and not callable(teacher_logits):
             raise TypeError(f"teacher_logits: expected a callable batch -> {{i: logits}}, got {type(teacher_logits).__name__}")
+        collator, n = kwargs.get("data_collator"), len(args.loss_config.teachers)
+        layout = _teacher_layout(teacher_layout, collator, n)
+        check_distillation_setup(args.loss_config, collator, model, teachers, teacher_layout=layout)  # before any work
         super().__init__(model=model, args=args, **kwargs)
-        self.loss_config = args.loss_config
-        n = len(self.loss_config.teachers)
-        self.teacher_layout = _teacher_layout(teacher_layout, self.data_collator, n)
+        self.loss_config, self.teacher_layout = args.loss_config, layout
         self.teachers = _frozen_teachers(teachers, n, self.args.device, teacher_logits is not None)
         self.teacher_logits = teacher_logits
-        self._step_metrics, self._logged_metrics = [], []
+        self._step_metrics, self._logged_metrics, self._eval_totals = [], [], None
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, GlobalNormalizers]:
         "The step's microbatches and, in place of the Trainer's token count, the step's global normalisers."
@@ -233,23 +397,208 @@ def train_data_parallel(build: Callable[[], Trainer], # picklable (module-level)
 
 # %% ../nbs/10a_trainer.ipynb #afcaa028
 LOSS_CONFIG_NAME = "xtoken_loss_config.json"  # the loss configuration, saved next to the model
+TEACHER_TOKENIZER_DIR = "teacher_{i}_tokenizer"  # teacher i's tokenizer, saved in this folder of the checkpoint
+
+
+def save_pair_tokenizers(collator, # a CrossTokenizerCollator (a collator without tokenizers saves nothing)
+                         folder, # the checkpoint folder
+                        ) -> list[Path]:
+    "Save the student tokenizer into `folder` and teacher `i`'s into `folder/teacher_{i}_tokenizer`; the folders written."
+    student, teachers = collator_tokenizers(collator)
+    if student is None: return []
+    folder = Path(folder)
+    student.save_pretrained(folder)
+    written = [folder]
+    for i, tok in enumerate(teachers or ()):
+        tok.save_pretrained(folder / TEACHER_TOKENIZER_DIR.format(i=i))
+        written.append(folder / TEACHER_TOKENIZER_DIR.format(i=i))
+    return written
+
+
+def load_pair_tokenizers(folder # a checkpoint or saved model folder
+                        ) -> tuple:
+    "`(student tokenizer, [teacher tokenizers])` as `save_pair_tokenizers` wrote them, read from their `tokenizer.json` as is."
+    folder = Path(folder)
+    teachers, i = [], 0
+    while (folder / TEACHER_TOKENIZER_DIR.format(i=i)).is_dir():
+        teachers.append(load_tokenizer_spec(folder / TEACHER_TOKENIZER_DIR.format(i=i)))
+        i += 1
+    return load_tokenizer_spec(folder), teachers
+
+
+def load_loss_config(folder # a checkpoint or saved model folder
+                    ) -> XTokenLossConfig:
+    "The `XTokenLossConfig` a trainer saved in `folder` (its projection files must still be where it names them)."
+    path = Path(folder) / LOSS_CONFIG_NAME
+    if not path.is_file(): raise FileNotFoundError(f"folder: expected {LOSS_CONFIG_NAME} in {os.fspath(folder)!r}, found none")
+    return loss_config_of(json.loads(path.read_text()))
 
 
 @patch
 def _save(self: XTokenDistillTrainer, output_dir: str | None = None, state_dict=None) -> None:
-    "The Trainer's save, plus the loss configuration as JSON."
+    "The Trainer's save, plus the loss configuration as JSON and the collator's tokenizers."
     super(XTokenDistillTrainer, self)._save(output_dir, state_dict)
     folder = Path(output_dir if output_dir is not None else self.args.output_dir)
     (folder / LOSS_CONFIG_NAME).write_text(json.dumps(dataclasses.asdict(self.loss_config), indent=1) + "\n")
+    save_pair_tokenizers(self.data_collator, folder)
 
-# %% ../nbs/10a_trainer.ipynb #b96eea5d
+# %% ../nbs/10a_trainer.ipynb #d10d9263
+def new_bytes_per_token(spans: TokenSpans # one text's token byte spans (`batch_token_byte_spans`)
+                       ) -> np.ndarray:
+    "int64 [n]: the bytes each token adds to those its predecessors cover (0 for specials; a fused run counts once)."
+    reach = np.maximum.accumulate(np.concatenate([[0], spans.end[:-1]])) if len(spans) else spans.end
+    return np.maximum(0, spans.end - np.maximum(spans.start, reach)).astype(np.int64)
+
+
+def student_token_bytes(tokenizer, # the collator's student tokenizer
+                        texts: Sequence[str], # the batch's texts
+                        input_ids: Tensor, # [B, T] the collator's student ids
+                        input_lengths: Tensor, # [B] kept tokens per sample
+                       ) -> Tensor:
+    "int64 [B, T]: the UTF-8 bytes of its text that each kept student token adds, 0 on padding."
+    out = torch.zeros(input_ids.shape, dtype=torch.int64)
+    for b, spans in enumerate(batch_token_byte_spans(tokenizer, list(texts))):
+        n, ids = int(input_lengths[b]), spans.ids.tolist()
+        kept, new = input_ids[b, :n].tolist(), new_bytes_per_token(spans)
+        head = next((k for k, (a, c) in enumerate(zip(kept, ids)) if a != c), min(n, len(ids)))
+        tail = n - head  # truncation keeps a prefix, then the template's closing specials
+        if tail and kept[head:] != ids[len(ids) - tail:]:
+            raise ValueError(f"input_ids[{b}]: expected the student tokenizer's ids of texts[{b}] (a prefix, then closing "
+                             f"specials), got ids that differ from position {head}: is this the collator's student tokenizer?")
+        out[b, :head] = torch.from_numpy(new[:head])
+        if tail: out[b, head:n] = torch.from_numpy(new[len(ids) - tail:])
+    return out
+
+
+class ByteCountingCollator:
+    "A padded `CrossTokenizerCollator` whose batches also carry `student_token_bytes` [B, T_s] (what bits per byte divide by)."
+    def __init__(self, collator): self.collator = collator # a CrossTokenizerCollator (text mode, padded output)
+    def __repr__(self): return f"ByteCountingCollator({self.collator!r})"
+
+    def __call__(self, datums: Sequence[Mapping]) -> dict:
+        out = self.collator(datums)
+        texts = [d["text"] if "text" in d else d["message_log"][0]["content"] for d in datums]  # the collator's text
+        out["student_token_bytes"] = student_token_bytes(self.collator.student_tokenizer, texts, out["input_ids"],
+                                                         out["input_lengths"])
+        return out
+
+
+def counts_bytes(collator) -> bool:
+    "Whether `ByteCountingCollator` can wrap `collator`: a padded text-mode collator with a student tokenizer."
+    return (getattr(collator, "student_tokenizer", None) is not None and not getattr(collator, "chat", False)
+            and getattr(collator, "output", "padded") == "padded")
+
+# %% ../nbs/10a_trainer.ipynb #cbb0abe2
+def fixed_combination(config: XTokenLossConfig) -> bool:
+    "Whether the loss combines its terms with weights that do not depend on the batch (so set-wide terms combine exactly)."
+    return config.kd_loss_mode != "select_teacher" and config.sum_weights_metric is None and not config.dynamic_loss_scaling
+
+
+def eval_ratio_names(config: XTokenLossConfig # the loss configuration
+                    ) -> tuple[str, ...]:
+    "The evaluation's ratio metrics, in column order: each is a sum over batches divided by a sum over batches."
+    names = ["ce_loss", "bits_per_byte", "accuracy"]
+    if config.kd_loss_mode == "averaged_logits": names.append("kd_loss")  # one KD term over the CE targets
+    else: names += [f"kd_loss_t{i}" for i in range(len(config.teachers))]
+    if not fixed_combination(config): names += ["loss", "kd_loss"]  # per-batch weights: batch means, weighted by CE targets
+    return tuple(names)
+
+
+def evaluation_sums(metrics: Mapping, # `xtoken_kd_loss`'s metrics of one batch
+                    normalizers: GlobalNormalizers, # the counts that batch was normalised by
+                    num_bytes: float, # UTF-8 bytes covered by the batch's CE targets
+                    config: XTokenLossConfig, # the loss configuration
+                   ) -> tuple[list[float], list[float]]:
+    "`(numerators, denominators)` of one evaluation batch, one pair per `eval_ratio_names(config)`."
+    value = lambda name: float(metrics[name])
+    tokens = value("num_valid_tokens")
+    nats = value("ce_loss") * normalizers.n_tok  # the batch's summed CE, whatever it was divided by
+    parts = {"ce_loss": (nats, tokens), "bits_per_byte": (nats / math.log(2), float(num_bytes)),
+             "accuracy": (value("accuracy") * tokens, tokens), "loss": (value("loss") * tokens, tokens),
+             "kd_loss": (value("kl_loss") * (normalizers.n_tok if config.kd_loss_mode == "averaged_logits" else tokens), tokens)}
+    for i in range(len(config.teachers)):
+        if f"kl_loss_t{i}" in metrics:
+            parts[f"kd_loss_t{i}"] = (value(f"kl_loss_t{i}") * normalizers.n_chunks[i], value(f"num_valid_chunks_t{i}"))
+    names = eval_ratio_names(config)
+    return [parts[name][0] for name in names], [parts[name][1] for name in names]
+
+
+def evaluation_metrics(numerators: Sequence[float], # per ratio, summed over the batches (and ranks)
+                       denominators: Sequence[float], # per ratio, summed likewise
+                       config: XTokenLossConfig, # the loss configuration
+                      ) -> dict[str, float]:
+    "The evaluation's metrics from summed `evaluation_sums`: the ratios, then the KD and the loss they combine into."
+    names = eval_ratio_names(config)
+    num, den = dict(zip(names, map(float, numerators))), dict(zip(names, map(float, denominators)))
+    out = {name: num[name] / max(den[name], 1.0) for name in names}  # empty counts give 0, as the loss's clamped counts do
+    out["bits_per_byte"] = num["bits_per_byte"] / den["bits_per_byte"] if den["bits_per_byte"] else math.nan
+    if fixed_combination(config):
+        if config.kd_loss_mode == "sum":
+            weights = teacher_weights(config).tolist()
+            out["kd_loss"] = sum(w * out[f"kd_loss_t{i}"] for i, w in enumerate(weights))
+        loss, _ = combine_losses(torch.tensor(out["kd_loss"], dtype=torch.float64),
+                                 torch.tensor(out["ce_loss"], dtype=torch.float64), config)
+        out["loss"] = float(loss)
+    out.update(num_tokens=den["ce_loss"], num_bytes=den["bits_per_byte"])
+    out.update({f"num_chunks_t{name[len('kd_loss_t'):]}": den[name] for name in names if name.startswith("kd_loss_t")})
+    return out
+
+# %% ../nbs/10a_trainer.ipynb #8b626d38
+def _with_byte_counts(trainer: XTokenDistillTrainer, build: Callable):
+    "`build()` with the trainer's collator wrapped in a `ByteCountingCollator` where it can be."
+    collator = trainer.data_collator
+    if counts_bytes(collator): trainer.data_collator = ByteCountingCollator(collator)
+    try: return build()
+    finally: trainer.data_collator = collator
+
+
+@patch
+def get_eval_dataloader(self: XTokenDistillTrainer, eval_dataset=None):
+    "The Trainer's evaluation loader, whose batches carry `student_token_bytes` (see `ByteCountingCollator`)."
+    return _with_byte_counts(self, lambda: super(XTokenDistillTrainer, self).get_eval_dataloader(eval_dataset))
+
+
+@patch
+def get_test_dataloader(self: XTokenDistillTrainer, test_dataset):
+    "The Trainer's prediction loader, whose batches carry `student_token_bytes` too."
+    return _with_byte_counts(self, lambda: super(XTokenDistillTrainer, self).get_test_dataloader(test_dataset))
+
+
+def target_bytes(batch: Mapping) -> float:
+    "UTF-8 bytes covered by the batch's CE targets (tokens 1.. of each sample with `sample_mask` 1); 0 without byte counts."
+    if "student_token_bytes" not in batch: return 0.0
+    on = batch["token_mask"][:, 1:].bool() & (batch["sample_mask"][:, None] > 0)
+    return float((batch["student_token_bytes"][:, 1:] * on).sum())
+
+
 @patch
 def prediction_step(self: XTokenDistillTrainer, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-    "`(loss, None, None)`: the distillation loss of an evaluation batch, normalised by the batch's own counts."
+    "`(loss, numerators [1, R], denominators [1, R])` of an evaluation batch: its loss under its own counts, and its sums."
     inputs = self._prepare_inputs(inputs)
     with torch.no_grad(), self.compute_loss_context_manager():
-        loss = self.compute_loss(model, inputs)
-    return (loss / dp_world_size()).detach(), None, None
+        normalizers = compute_global_normalizers([inputs], self.loss_config)
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["token_mask"].long()).logits
+        loss, metrics = xtoken_kd_loss(logits, inputs, self.teacher_logits_of(inputs), config=self.loss_config,
+                                       normalizers=normalizers)
+    sums = torch.tensor(evaluation_sums(metrics, normalizers, target_bytes(inputs), self.loss_config), dtype=torch.float64)
+    self._eval_totals = sums if self._eval_totals is None else self._eval_totals + sums
+    return loss.detach(), sums[:1].to(loss.device), sums[1:].to(loss.device)
+
+
+@patch
+def evaluation_loop(self: XTokenDistillTrainer, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                    metric_key_prefix: str = "eval"):
+    "The Trainer's loop; its metrics are the set-wide ratios of `evaluation_metrics`, summed over data-parallel ranks."
+    self._eval_totals = None
+    output = super(XTokenDistillTrainer, self).evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                                               metric_key_prefix)
+    width = len(eval_ratio_names(self.loss_config))
+    local = self._eval_totals if self._eval_totals is not None else torch.zeros(2, width, dtype=torch.float64)
+    totals = dp_all_reduce_stack(local).reshape(2, width).tolist()
+    ours = evaluation_metrics(totals[0], totals[1], self.loss_config)
+    output.metrics[f"{metric_key_prefix}_loss"] = ours.pop("loss")  # the set's objective, not a mean of batch losses
+    for name, value in ours.items(): output.metrics.setdefault(f"{metric_key_prefix}_{name}", value)
+    return output
 
 # %% ../nbs/10a_trainer.ipynb #04c5f7af
 def topk_record_of(logits: Tensor, # [B, T, W] teacher logits
