@@ -10,17 +10,18 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/chunking.html.md"""
 from __future__ import annotations
 
 import enum
+import unicodedata
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .core import offsets_of
-from .tokenizers import ROLES, TokenSpans, span_columns
+from .tokenizers import ROLES, SpanList, TokenSpans, new_spans, span_columns
 
 # %% auto #0
 __all__ = ['DEFAULT_ROLE_EQUIVALENCE', 'role_classes', 'ChunkKind', 'check_spans_list', 'FlatAlignment', 'align_tiled',
-           'align_flat']
+           'check_span_pair', 'align_flat', 'joins_previous', 'fuse_normalised']
 
 # %% ../nbs/04a_chunking.ipynb #a68caabc
 DEFAULT_ROLE_EQUIVALENCE = (("bos", "cls"), ("eos", "sep"))
@@ -708,8 +709,10 @@ def align_tiled(students: Sequence[TokenSpans], # kept student spans per sample
     return _finish(S, T, base, s_gid, t_gid, c_start, c_end, c_kind, _tiled_correct(c_kind, S, s_gid, T, t_gid))
 
 # %% ../nbs/04a_chunking.ipynb #5ab0e00e
-def _kept_bytes(students, teachers) -> np.ndarray:
-    "int64 [B]: each sample's kept bytes, which both sides must cover alike."
+def check_span_pair(students, # kept student spans per sample
+                    teachers, # kept teacher spans, the same texts
+                   ) -> np.ndarray:
+    "int64 [B]: each sample's kept bytes; `TypeError`/`ValueError` unless both are lists of spans of the same texts."
     check_spans_list("students", students); check_spans_list("teachers", teachers)
     if len(students) != len(teachers):
         raise ValueError(f"students and teachers must have equal lengths, got {len(students)} and {len(teachers)}")
@@ -731,9 +734,143 @@ def align_flat(students: Sequence[TokenSpans], # kept student spans per sample
               ) -> FlatAlignment:
     "The chunk algorithm for a whole batch at once: samples laid end to end on one byte axis."
     if route not in ("auto", "general"): raise ValueError(f"route: expected 'auto' or 'general', got {route!r}")
-    L = _kept_bytes(students, teachers)
+    L = check_span_pair(students, teachers)
     if classes is None: classes = role_classes()
     if route == "auto":
         flat = align_tiled(students, teachers, classes, L)
         if flat is not None: return flat
     return _align_general(students, teachers, classes, text_of, L)
+
+# %% ../nbs/04a_chunking.ipynb #32e72d64
+def joins_previous(tb: bytes, # a text's UTF-8 bytes
+                   p: int, # a byte position in it
+                  ) -> bool:
+    "Is `p` inside a character, or before one a normaliser may join to the character before it (mark, Hangul vowel or final)?"
+    if p <= 0 or p >= len(tb) or tb[p] < 0x80: return False
+    if tb[p] < 0xC0: return True   # a UTF-8 continuation byte
+    width = 2 if tb[p] < 0xE0 else 3 if tb[p] < 0xF0 else 4
+    try: ch = tb[p:p + width].decode("utf-8")
+    except UnicodeDecodeError: return False
+    first = unicodedata.normalize("NFKD", ch)[0]   # e.g. the compatibility jamo ㅏ stands for the vowel U+1161
+    return unicodedata.category(first)[0] == "M" or 0x1160 <= ord(first) <= 0x11FF or 0xD7B0 <= ord(first) <= 0xD7FF
+
+
+def _whole_sequences(tb: bytes, a: int, e: int) -> tuple[int, int]:
+    "`[a, e)` widened until neither edge is inside a character or before one that joins the character before it."
+    while joins_previous(tb, a):
+        a -= 1
+        while a > 0 and 0x80 <= tb[a] < 0xC0: a -= 1
+    while joins_previous(tb, e):
+        e += 1
+        while e < len(tb) and 0x80 <= tb[e] < 0xC0: e += 1
+    return a, e
+
+# %% ../nbs/04a_chunking.ipynb #2c195cf3
+def _suspect_boundaries(cols) -> tuple[np.ndarray, np.ndarray]:
+    "(sample, byte) of every inner boundary of an inexact token or of a gap, over non-empty content tokens (a run once)."
+    ne = np.flatnonzero((cols.role == 0) & (cols.end > cols.start))
+    samp = np.searchsorted(cols.offsets, ne, "right") - 1
+    s, e = cols.start.take(ne), cols.end.take(ne)
+    if len(ne) > 1 and (s[1:] == s[:-1]).any():   # members of a fused run share one span
+        keep = np.r_[True, (samp[1:] != samp[:-1]) | (s[1:] != s[:-1])]
+        ne, samp, s, e = ne[keep], samp[keep], s[keep], e[keep]
+    first = np.r_[True, samp[1:] != samp[:-1]] if len(ne) else np.zeros(0, bool)
+    last = np.r_[first[1:], True] if len(ne) else first
+    prev_end = np.where(first, 0, np.r_[0, e[:-1]])
+    next_start = np.where(last, cols.nbytes[samp], np.r_[s[1:], 0])
+    loose = ~cols.exact.take(ne)
+    at_start, at_end = loose | (s > prev_end), loose | (e < next_start)
+    pos, ps = np.r_[s[at_start], e[at_end]], np.r_[samp[at_start], samp[at_end]]
+    inner = (pos > 0) & (pos < cols.nbytes[ps])
+    return ps[inner], pos[inner]
+
+
+def _regions(sp: TokenSpans, tb: bytes, bad: list[int]) -> list[tuple[int, int]]:
+    "The fused regions `[a, e)` of one sample: around each bad boundary, whole combining sequences and whole tokens."
+    c = np.flatnonzero((sp.role == 0) & (sp.end > sp.start))
+    starts, ends = sp.start[c], sp.end[c]
+    out = []
+    for p in sorted(bad):
+        if out and out[-1][0] < p < out[-1][1]: continue
+        a, e = _whole_sequences(tb, p, p)
+        while True:
+            i0, i1 = int(ends.searchsorted(a, "right")), int(starts.searchsorted(e, "left"))  # tokens meeting [a, e)
+            if i0 < i1: a, e = min(a, int(starts[i0])), max(e, int(ends[i1 - 1]))
+            a, e = _whole_sequences(tb, a, e)
+            if out and a < out[-1][1]: a = min(a, out.pop()[0])   # it reached the region before: one region
+            if int(ends.searchsorted(a, "right")) == i0 and int(starts.searchsorted(e, "left")) == i1: break
+        out.append((a, e))
+    return out
+
+
+def _fused(sp: TokenSpans, regions: list[tuple[int, int]]) -> TokenSpans:
+    "`sp` with every region one span: its tokens own all of it, inexact, one fused run when they are several."
+    start, end, exact, run = sp.start.copy(), sp.end.copy(), sp.exact.copy(), sp.run.copy()
+    content = np.flatnonzero(sp.role == 0)
+    cs, ce = sp.start[content], sp.end[content]
+    next_run = int(run.max()) + 1 if len(run) else 0
+    for a, e in regions:
+        hit = np.flatnonzero(((ce > cs) & (cs < e) & (ce > a)) | ((ce == cs) & (cs > a) & (cs < e)))
+        if len(hit) == 0: continue
+        members = content[hit[0]:hit[-1] + 1]   # the tokens it touches and the empty ones standing inside it
+        start[members], end[members], exact[members] = a, e, False
+        run[members] = next_run if len(members) > 1 else -1
+        next_run += len(members) > 1
+        after = np.flatnonzero(sp.role != 0)
+        after = after[(after > members[-1]) & (start[after] < e)]   # specials anchored at the old end
+        start[after] = end[after] = e
+    return new_spans(sp.ids, start, end, exact, sp.role, run, sp.nbytes)
+
+# %% ../nbs/04a_chunking.ipynb #062f7734
+def _text_reader(texts) -> Callable[[int], bytes]:
+    "sample -> its bytes, from a callable or a sequence of str/bytes."
+    if callable(texts): return texts
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise TypeError(f"texts must be a list of str/bytes or a callable sample -> bytes, got {type(texts).__name__}")
+    return lambda b: texts[b] if isinstance(texts[b], bytes) else texts[b].encode("utf-8")
+
+
+def _read_texts(reader, nbytes) -> list[bytes]:
+    "The bytes every sample's spans cover, read once; `ValueError` naming a text shorter than its spans."
+    out = []
+    for b, n in enumerate(nbytes.tolist()):
+        tb = reader(b)
+        if not isinstance(tb, bytes) or len(tb) < n:
+            raise ValueError(f"texts[{b}] must hold the {n} bytes its spans cover, got "
+                             f"{len(tb) if isinstance(tb, bytes) else type(tb).__name__}")
+        out.append(tb[:n])
+    return out
+
+
+def _non_ascii_at(ps, pos, texts: list[bytes], nbytes) -> np.ndarray:
+    "bool per (sample, byte): the byte is not ASCII."
+    buf = np.frombuffer(b"".join(texts), np.uint8)
+    return buf[offsets_of(nbytes)[ps] + pos] >= 0x80
+
+
+def fuse_normalised(spans: Sequence[TokenSpans], # one side's spans, one `TokenSpans` per sample
+                    texts, # the texts (str or bytes per sample), or a callable sample -> its bytes
+                   ) -> Sequence[TokenSpans]:
+    "One side's spans with every stretch its normaliser rewrote one fused region, so that no cut falls inside it."
+    if not isinstance(spans, SpanList): check_spans_list("spans", spans)   # a SpanList is the library's own
+    reader = _text_reader(texts)
+    if not callable(texts) and len(texts) != len(spans):
+        raise ValueError(f"texts must hold one text per sample ({len(spans)}), got {len(texts)}")
+    cols = span_columns(spans)
+    unchanged = spans if isinstance(spans, SpanList) else SpanList(spans, cols)   # keeps the columns for the next step
+    if len(spans) == 0: return unchanged
+    if (np.count_nonzero(cols.exact | (cols.role != 0)) == len(cols.exact)
+            and int(cols.end.sum()) - int(cols.start.sum()) == int(cols.nbytes.sum())):
+        return unchanged   # every token exact and no gap: the side spells the text as it is
+    texts_read = _read_texts(reader, cols.nbytes)
+    if all(tb.isascii() for tb in texts_read): return unchanged   # nothing joins an ASCII character
+    ps, pos = _suspect_boundaries(cols)
+    wide = _non_ascii_at(ps, pos, texts_read, cols.nbytes)
+    ps, pos, out = ps[wide], pos[wide], None
+    for b in np.unique(ps).tolist():
+        tb = texts_read[b]
+        bad = [p for p in pos[ps == b].tolist() if joins_previous(tb, p)]
+        if not bad: continue
+        if out is None: out = list(spans)
+        out[b] = _fused(spans[b], _regions(spans[b], tb, bad))
+    return unchanged if out is None else out
