@@ -10,6 +10,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/alignments.html.md"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -20,7 +21,7 @@ from fastcore.basics import patch
 from .core import check_int, offsets_of
 from .schema import AlignmentBatch, compact_jagged, is_jagged, make_jagged
 from .tokenizers import InvalidTextError, TokenSpans
-from .chunking import ChunkKind, FlatAlignment, align_flat
+from .chunking import ChunkKind, FlatAlignment, align_flat, check_span_pair, fuse_normalised
 
 # %% auto #0
 __all__ = ['SampleAlignment', 'AlignmentStats', 'AlignmentResult', 'shift_chunk_ids']
@@ -393,10 +394,15 @@ def from_spans(cls: AlignmentResult, students: Sequence[TokenSpans], # kept stud
                 nbytes=None, # bytes of each whole text (None: the spans' nbytes, nothing dropped)
                 truncated=None, # bool per sample (or per sample and side): some side lost tokens (None: none)
                ) -> AlignmentResult:
-    "Align a batch of span pairs with the chunk algorithm and keep the result with its spans."
+    "Align a batch of span pairs with the chunk algorithm and keep the result with its spans (normalised regions fused)."
     if texts is not None and isinstance(students, Sequence) and len(texts) != len(students):
         raise ValueError(f"texts must hold {len(students)} texts, got {len(texts)}")
-    flat = align_flat(students, teachers, classes, _gap_reader(students, teachers, texts, piece_tables))
+    check_span_pair(students, teachers)
+    text_of = _gap_reader(students, teachers, texts, piece_tables)
+    if text_of is not None:
+        text_of = functools.cache(text_of)   # fusion and the gap test read each sample once
+        students, teachers = fuse_normalised(students, text_of), fuse_normalised(teachers, text_of)
+    flat = align_flat(students, teachers, classes, text_of)
     nbytes, truncated = _byte_counts(students, nbytes, truncated)
     return cls(flat, students, teachers, nbytes, truncated)
 
