@@ -17,7 +17,7 @@ import numpy as np
 from .core import check_int
 from .tokenizers import (TokenSpans, SpanList, check_fast_tokenizer, light_witness, new_spans, span_columns,
                                   token_byte_spans)
-from .chunking import check_spans_list
+from .chunking import check_spans_list, fuse_normalised, joins_previous
 
 # %% auto #0
 __all__ = ['SpanTruncation', 'truncate_spans', 'BatchTruncation', 'truncate_batch', 'template_specials']
@@ -133,6 +133,15 @@ def _truncate(spans, ctx_lengths, keep_trailing_specials, template_leads) -> tup
     L = _largest_common_cut(bound, [(side.start, side.end) for side in sides])
     return tuple(_kept_side(sp, side, c, L, keep_trailing_specials) for sp, side, c in zip(spans, sides, ctx_lengths)), L
 
+
+def _cut_row(spans, ctx_lengths, keep_trailing_specials, template_leads, text) -> tuple[tuple[TokenSpans, ...], int]:
+    "`_truncate`, and with the text, again on fused spans when L is inside a character or before one that may join it."
+    kept, L = _truncate(spans, ctx_lengths, keep_trailing_specials, template_leads)
+    if text is None or L >= spans[0].nbytes: return kept, L
+    tb = text if isinstance(text, bytes) else text.encode("utf-8")
+    if not joins_previous(tb, L): return kept, L   # fusion keeps every cut that is not such a position
+    return _truncate([fuse_normalised([sp], [tb])[0] for sp in spans], ctx_lengths, keep_trailing_specials, template_leads)
+
 # %% ../nbs/04c_truncation.ipynb #c3c0de0e
 @dataclass(frozen=True)
 class SpanTruncation:
@@ -150,6 +159,7 @@ def truncate_spans(spans: Sequence[TokenSpans], # one sample's spans: the studen
                    ctx_lengths: Sequence[int | None], # token budget of each side (None: unlimited)
                    *, keep_trailing_specials: bool = False, # keep trailing template specials (room reserved)
                    template_leads: Sequence[int] | None = None, # leading template specials per side (for texts without content)
+                   text: str | bytes | None = None, # the text: never cut inside what a normaliser rewrote (None: as given)
                   ) -> SpanTruncation:
     "Cut every side at one common byte boundary L: the largest common cut that fits every side's budget."
     _check_ctx(ctx_lengths, len(spans))
@@ -157,7 +167,7 @@ def truncate_spans(spans: Sequence[TokenSpans], # one sample's spans: the studen
     if all(c is None or len(sp.ids) <= c for sp, c in zip(spans, ctx_lengths)):
         nbytes = _check_one_text(spans)
         return SpanTruncation(tuple(spans), nbytes, nbytes, (False,) * len(spans))
-    kept, L = _truncate(spans, ctx_lengths, keep_trailing_specials, template_leads)
+    kept, L = _cut_row(spans, ctx_lengths, keep_trailing_specials, template_leads, text)
     return SpanTruncation(kept, spans[0].nbytes, L, tuple(len(k.ids) < len(sp.ids) for k, sp in zip(kept, spans)))
 
 # %% ../nbs/04c_truncation.ipynb #39ddf888
@@ -185,6 +195,7 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
                    ctx_lengths: Sequence[int | None], # token budget of each side (None: unlimited)
                    *, keep_trailing_specials: bool = False, # keep trailing template specials (room reserved)
                    template_leads: Sequence[int] | None = None, # leading template specials per side
+                   texts: Sequence[str | bytes] | None = None, # the texts: never cut inside what a normaliser rewrote (None: as given)
                   ) -> BatchTruncation:
     "`truncate_spans` for every sample of a batch: one L per sample, common to all N sides."
     _check_ctx(ctx_lengths, len(sides))
@@ -192,6 +203,7 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
     B = len(sides[0])
     for i, side in enumerate(sides):
         if len(side) != B: raise ValueError(f"sides[{i}] holds {len(side)} samples, sides[0] {B}")
+    if texts is not None and len(texts) != B: raise ValueError(f"texts must hold one text per sample ({B}), got {len(texts)}")
     nbytes = np.fromiter((sp.nbytes for sp in sides[0]), np.int64, B)
     fits = _fits(sides, ctx_lengths, B)
     if fits.all():   # nothing to cut: each side goes on as a new list of the same spans, with its columns if it has them
@@ -202,7 +214,7 @@ def truncate_batch(sides: Sequence[Sequence[TokenSpans]], # sides[n][b]: the stu
     truncated = np.zeros((B, len(sides)), bool)
     for b in np.flatnonzero(~fits).tolist():
         row = [side[b] for side in sides]
-        cut, kept[b] = _truncate(row, ctx_lengths, keep_trailing_specials, template_leads)
+        cut, kept[b] = _cut_row(row, ctx_lengths, keep_trailing_specials, template_leads, None if texts is None else texts[b])
         for n, (sp, full) in enumerate(zip(cut, row)):
             out[n][b] = sp
             truncated[b, n] = len(sp.ids) < len(full.ids)
