@@ -19,7 +19,7 @@ from .core import check_int, offsets_of
 from .schema import AlignmentBatch
 from .tokenizers import (ROLES, TokenSpans, check_fast_tokenizer, describe_tokenizer, piece_bytes_table,
                                   special_token_roles, tokenizer_fingerprint)
-from .chunking import role_classes
+from .chunking import joins_previous, role_classes
 from .alignments import AlignmentResult
 
 # %% auto #0
@@ -233,6 +233,31 @@ def diff_blocks(a: bytes, # the first byte stream
             stack.append((a0, x, b0, y, False))
     return blocks
 
+# %% ../nbs/04d_id_path.ipynb #d509e8eb
+def _char_end(buf: bytes, p: int, stop: int) -> int:
+    "The end of the character starting at `p` (its continuation bytes skipped), at most `stop`."
+    p += 1
+    while p < stop and 0x80 <= buf[p] < 0xC0: p += 1
+    return p
+
+
+def _whole_characters(blocks, a: bytes, b: bytes) -> list[tuple[int, int, int]]:
+    "Equal blocks shrunk so that no differing region ends inside a character or before one that joins its neighbour."
+    out, prev = [], (0, 0)
+    for k, (x, y, n) in enumerate(blocks):
+        x1, y1 = x + n, y + n
+        nxt = blocks[k + 1][:2] if k + 1 < len(blocks) else (len(a), len(b))
+        if (x, y) != prev:   # a region before the block: its first characters may belong to that region
+            while x < x1 and (joins_previous(a, x) or joins_previous(b, y)):
+                step = _char_end(a, x, x1) - x
+                x, y = x + step, y + step
+        if (x1, y1) != nxt:  # a region after it: the characters it would join (or split) go with that region
+            while x1 > x and (joins_previous(a, x1) or joins_previous(b, y1)):
+                x1, y1 = x1 - 1, y1 - 1
+                while x1 > x and 0x80 <= a[x1] < 0xC0: x1, y1 = x1 - 1, y1 - 1
+        if x1 > x: out.append((x, y, x1 - x)); prev = (x1, y1)
+    return out
+
 # %% ../nbs/04d_id_path.ipynb #5b4feb64
 def _map_positions(y, bb, ba, bn, NA, prefer):
     "Teacher positions -> student positions through equal blocks; inside a differing region, to its edge (see caller)."
@@ -256,7 +281,7 @@ def _touches(s, e, r0, r1):
 
 def _diff_regions(a: bytes, b: bytes, budget: int):
     "Equal blocks `(ba, bb, bn)` of the diff, and the differing regions on each stream: `(a0, a1)`, `(b0, b1)`."
-    blocks = np.array(diff_blocks(a, b, budget=budget), np.int64).reshape(-1, 3)
+    blocks = np.array(_whole_characters(diff_blocks(a, b, budget=budget), a, b), np.int64).reshape(-1, 3)
     ba, bb, bn = blocks[:, 0], blocks[:, 1], blocks[:, 2]
     a_prev, b_prev = np.r_[0, ba + bn], np.r_[0, bb + bn]
     a_next, b_next = np.r_[ba, len(a)], np.r_[bb, len(b)]
