@@ -20,7 +20,7 @@ from .schema import AlignmentBatch
 from .tokenizers import (TokenSpans, batch_token_byte_spans, check_fast_tokenizer, describe_tokenizer,
                                   piece_bytes_table, tokenizer_fingerprint)
 from .chunking import (DEFAULT_ROLE_EQUIVALENCE, ChunkKind, FlatAlignment, align_flat, align_tiled,
-                                role_classes)
+                                fuse_normalised, role_classes)
 from .alignments import AlignmentResult, AlignmentStats, SampleAlignment, shift_chunk_ids
 from .truncation import BatchTruncation, SpanTruncation, template_specials, truncate_batch, truncate_spans
 from .id_path import TokenizerFacts, align_ids, diff_blocks, tokenizer_facts
@@ -29,12 +29,12 @@ from .id_path import TokenizerFacts, align_ids, diff_blocks, tokenizer_facts
 __all__ = ['PROBE_TEXTS', 'TokenAligner', 'tokenizer_label', 'chunk_rows', 'PairReport', 'AlignmentBatch',
            'DEFAULT_ROLE_EQUIVALENCE', 'role_classes', 'ChunkKind', 'shift_chunk_ids', 'SampleAlignment',
            'AlignmentStats', 'AlignmentResult', 'SpanTruncation', 'truncate_spans', 'BatchTruncation', 'truncate_batch',
-           'template_specials', 'diff_blocks']
+           'template_specials', 'diff_blocks', 'fuse_normalised']
 
 # %% ../nbs/04e_aligner.ipynb #017d66d4
 _all_ = ["AlignmentBatch", "DEFAULT_ROLE_EQUIVALENCE", "role_classes", "ChunkKind", "shift_chunk_ids", "SampleAlignment",
          "AlignmentStats", "AlignmentResult", "SpanTruncation", "truncate_spans", "BatchTruncation", "truncate_batch",
-         "template_specials", "diff_blocks"]
+         "template_specials", "diff_blocks", "fuse_normalised"]
 
 # the chunk algorithm's entry points under their earlier names in this module (the alignment benchmark reads them)
 
@@ -140,7 +140,7 @@ def align_texts(self: TokenAligner, texts: Sequence[str], # the texts, tokenised
     toks = (self.student_tokenizer, self.teacher_tokenizer)
     leads = [template_specials(t)[0] for t in toks] if add_special_tokens else [0, 0]
     cut = truncate_batch([spans_s, spans_t], [max_student_tokens, max_teacher_tokens],
-                         keep_trailing_specials=self.keep_trailing_specials, template_leads=leads)
+                         keep_trailing_specials=self.keep_trailing_specials, template_leads=leads, texts=texts)
     return self.align_spans_batch(cut.spans[0], cut.spans[1], texts=texts, nbytes=cut.nbytes, truncated=cut.truncated)
 
 # %% ../nbs/04e_aligner.ipynb #021eb2e8
