@@ -12,9 +12,15 @@ pair sees every example (300 per pair by default, 2000 with `XTOKEN_DP_TEST_FLAG
 * (f) ids are monotone, every slot is used, `P >= 1`; and the batch passes `AlignmentBatch.validate()` in both layouts.
 
 Pairs with BERT are a separate test marked `requires_bert`.
+
+Text a normaliser rewrites (decomposed accents, Hangul jamo, reordered marks, compatibility characters and ligatures)
+has its own property: every content chunk's tokens, on each side, spell that side's normalisation of the chunk's
+text, and the chunks of byte-complete pairs tile the text, with or without a common truncation.
 """
-import os, sys
+import functools, itertools, os, random, sys, unicodedata
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -26,8 +32,10 @@ from tokenizer_texts import (ASCII_WORDS, ASTRAL, CJK, COMBINING, CONTROL, DIGIT
                              SPECIAL_STRINGS, WHITESPACE, ZERO_WIDTH)
 from test_aligner import byte_complete_text, check_sample
 
-from xtoken_dp.aligner import AlignmentResult, TokenAligner
-from xtoken_dp.tokenizers import batch_token_byte_spans
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from xtoken_dp.aligner import AlignmentResult, ChunkKind, TokenAligner, template_specials, truncate_batch
+from xtoken_dp.tokenizers import batch_token_byte_spans, describe_tokenizer, piece_bytes_table, toy_corpus
 
 SLOW = "slow" in os.environ.get("XTOKEN_DP_TEST_FLAGS", "").split()
 EXAMPLES = 2000 if SLOW else 300
@@ -90,3 +98,121 @@ def test_13_batches_equal_single_samples(batch):
             alone = al.align_texts([text]).samples[0]
             for f in ("student_chunk_id", "teacher_chunk_id", "chunk_start", "chunk_end", "chunk_kind", "pair_is_correct"):
                 assert (getattr(s, f) == getattr(alone, f)).all(), (a, b, text, f)
+
+
+# ---- text a normaliser rewrites: every chunk byte-consistent ----
+
+NORMALISING_PAIRS_NAMES = ["qwen2", "mistral_spm", "mistral_tekken", "bpe_bytelevel", "wordpiece_toy", "nfkc_toy"]
+BYTE_COMPLETE_NAMES = {"qwen2", "mistral_spm", "mistral_tekken", "bpe_bytelevel", "nfkc_toy"}
+PROSE = ["The", "data", "were", "collected", "in", "2021", "and", "a", "small", "village", ".", ",", "(", ")"]
+COMPOSED = ["é", "ï", "ñ", "Å", "ř", "ậ", "ẋ", "ḱ", "ǅ", "ễ", "각", "한국어", "서울", "감사합니다", "café", "naïve", "Zürich"]
+MARKS = ["\u0301", "\u0308", "\u0323", "\u0307", "\u0302", "\u0303", "\u031b", "\u0345", "\u20dd"]
+JAMO = ["\u1100", "\u1161", "\u11a8", "\u1109", "\u1165", "\u11af", "\u3131", "\u314f", "\uffa1", "\uffc2", "\u115f"]
+COMPAT = ["①", "②", "ﬁ", "ﬂ", "ﬀ", "ﬃ", "Ａ", "ｆｕｌｌ", "㎏", "½", "™", "Ⅳ", "ｶﾀｶﾅ", "\u212b", "\u2126", "ǆ"]
+
+normalisable = st.one_of(
+    st.sampled_from(PROSE),
+    st.sampled_from(COMPOSED).map(lambda w: unicodedata.normalize("NFD", w)),    # decomposed accents and jamo
+    st.sampled_from(COMPOSED),
+    st.lists(st.sampled_from(MARKS), min_size=1, max_size=3).map("".join),        # stacked marks, any order
+    st.lists(st.sampled_from(JAMO), min_size=1, max_size=3).map("".join),         # conjoining and compatibility jamo
+    st.sampled_from(COMPAT),                                                      # NFC keeps them, NFKC folds them
+    st.sampled_from([" ", "  ", "\n", "\t", " \u00a0"]),
+)
+normalisable_texts = st.lists(normalisable, max_size=20).map("".join)
+
+
+@functools.cache
+def nfkc_toy():
+    "A byte-level BPE with an NFKC normaliser, trained on the toy corpus (no such tokenizer ships offline)."
+    tk = Tokenizer(models.BPE())
+    tk.normalizer, tk.pre_tokenizer = normalizers.NFKC(), pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(toy_corpus(max_bytes=100_000), trainers.BpeTrainer(
+        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
+def norm_tok(name):
+    return nfkc_toy() if name == "nfkc_toy" else tok(name)
+
+
+@functools.cache
+def normaliser(name):
+    "bytes -> what the tokenizer's normaliser makes of them (WordPiece: whitespace dropped, as its pre-tokenizer does)."
+    t, info = norm_tok(name), describe_tokenizer(norm_tok(name))
+    forms = [s for s in info.normalizer if s in ("NFC", "NFD", "NFKC", "NFKD")]
+    if forms:
+        def unicode_forms(b):   # unicodedata, so that a chunk ending inside a character (both sides cut there) stays as is
+            s = b.decode("utf-8", "surrogateescape")
+            for f in forms: s = unicodedata.normalize(f, s)
+            return s.encode("utf-8", "surrogateescape")
+        return unicode_forms
+    if info.family == "wordpiece":
+        return lambda b: "".join(t.backend_tokenizer.normalizer.normalize_str(b.decode()).split()).encode()
+    return lambda b: b   # no normaliser, or only SentencePiece's space marker
+
+
+def spelling_errors(sample, text, s_name, t_name):
+    "Two-sided content chunks where a side's pieces are not the side's normalisation of the chunk's text bytes."
+    tb, bad = text.encode()[:sample.kept_nbytes], []
+    for sp, ids, name in ((sample.student, sample.student_chunk_id, s_name), (sample.teacher, sample.teacher_chunk_id, t_name)):
+        t = norm_tok(name)
+        table, norm, marker = piece_bytes_table(t), normaliser(name), describe_tokenizer(t).space_marker
+        content = np.flatnonzero(sp.role == 0)
+        for c in np.flatnonzero(sample.chunk_kind == ChunkKind.CONTENT):
+            members = np.flatnonzero((ids == c) & (sp.role == 0))
+            if t.unk_token_id is not None and (sp.ids[members] == t.unk_token_id).any(): continue
+            got = b"".join(table[int(i)] for i in sp.ids[members])
+            want = norm(tb[sample.chunk_start[c]:sample.chunk_end[c]])
+            dummy = marker and len(content) and content[0] in members and got == b" " + want   # SentencePiece's prefix
+            if got != want and not dummy: bad.append((int(c), got, want))
+    return bad
+
+
+def check_consistent(sample, text, a, b):
+    "Both sides of every content chunk stand for its text; byte-complete pairs: two-sided chunks tile [0, L)."
+    assert not spelling_errors(sample, text, a, b), f"{a} -> {b} on {text!r}: {spelling_errors(sample, text, a, b)}"
+    if a in BYTE_COMPLETE_NAMES and b in BYTE_COMPLETE_NAMES:
+        content = np.isin(sample.chunk_kind, [ChunkKind.CONTENT, ChunkKind.STUDENT_ONLY, ChunkKind.TEACHER_ONLY])
+        content &= sample.chunk_end > sample.chunk_start   # a lone dummy prefix kept by truncation owns no byte
+        st, en = sample.chunk_start[content], sample.chunk_end[content]
+        assert (sample.chunk_kind[content] == ChunkKind.CONTENT).all(), f"{a} -> {b} on {text!r}: a one-sided chunk"
+        assert st.tolist() == [0] * bool(len(st)) + en[:-1].tolist() and (en[-1:] == sample.kept_nbytes).all(), \
+            f"{a} -> {b} on {text!r}: chunks do not tile the text"
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(normalisable_texts, st.integers(2, 30), st.integers(2, 30))
+def test_normalised_text_gives_consistent_chunks(text, ctx_a, ctx_b):
+    """For every pair (qwen2 and an NFKC toy normalise, a toy WordPiece has BERT's normaliser, the others none): every
+    content chunk's tokens, on each side, spell that side's normalisation of the chunk's text bytes, so both sides cover
+    exactly the same text; chunks tile the text for byte-complete pairs; the same after a common truncation."""
+    spans = {n: batch_token_byte_spans(norm_tok(n), [text]) for n in NORMALISING_PAIRS_NAMES}
+    for a, b in itertools.permutations(NORMALISING_PAIRS_NAMES, 2):
+        al = TokenAligner(norm_tok(a), norm_tok(b))
+        sample = al.align_spans_batch(spans[a], spans[b], texts=[text]).samples[0]
+        check_consistent(sample, text, a, b)
+        cut = truncate_batch([spans[a], spans[b]], [ctx_a, ctx_b], texts=[text],
+                             template_leads=[template_specials(norm_tok(n))[0] for n in (a, b)])
+        short = al.align_spans_batch(cut.spans[0], cut.spans[1], texts=[text], nbytes=cut.nbytes).samples[0]
+        check_consistent(short, text, a, b)
+        for s in (sample, short): s.student.validate(); s.teacher.validate()
+
+
+def test_normalised_comparison_set_is_consistent():
+    "150 prose texts with decomposed accents, jamo and compatibility characters: no chunk that is not byte-consistent."
+    rng = random.Random(0)
+    prose = ["The committee met on Tuesday to discuss the budget.", "She walked along the river until the sun went down.",
+             "Our results suggest a modest improvement over the baseline.", "He ordered a coffee and sat by the window."]
+    texts = []
+    for _ in range(150):
+        words = rng.choice(prose).split(" ")
+        for _ in range(rng.randint(1, 3)):
+            w = rng.choice(COMPOSED + COMPAT)
+            words.insert(rng.randrange(len(words) + 1), unicodedata.normalize("NFD", w) if rng.random() < 0.8 else w)
+        texts.append(" ".join(words))
+    for a, b in [("qwen2", "mistral_spm"), ("mistral_tekken", "qwen2"), ("wordpiece_toy", "nfkc_toy")]:
+        res = TokenAligner(norm_tok(a), norm_tok(b)).align_texts(texts)
+        for text, sample in zip(texts, res.samples): check_consistent(sample, text, a, b)
+        if a in BYTE_COMPLETE_NAMES and b in BYTE_COMPLETE_NAMES: assert res.stats().byte_coverage == 1.0
