@@ -537,3 +537,19 @@ def test_losses_read_collator_keys_in_both_layouts():
             for name in AlignmentBatch.field_names(): assert torch.equal(getattr(got, name), expected[name]), (i, name)
     with pytest.raises(KeyError, match="missing key 'alignment_1_pair_valid'"):  # the same-vocab teacher wrote nothing
         alignment_from_flat_batch(flat, prefix="alignment_1_")
+
+
+def test_the_common_cut_never_separates_a_letter_from_its_combining_mark():
+    "qwen2 normalises e + U+0301 to é: wherever the budgets cut, the kept text ends on a whole normalised stretch."
+    import unicodedata
+    from xtoken_dp.tokenizers import load_tokenizer
+    student, teacher = load_tokenizer("qwen2"), load_tokenizer("mistral_spm")
+    text = "Cafe\u0301 cre\u0300me bru\u0302le\u0301e, the\u0301 a\u0300 la menthe, re\u0301sume\u0301 nai\u0308ve " * 3
+    data = text.encode()
+    for budget in range(4, 40, 3):
+        collate = CrossTokenizerCollator(student_tokenizer=student, teacher_tokenizer=teacher,
+                                         aligner=TokenAligner(student, teacher), ctx_length_student=budget,
+                                         ctx_length_teacher=budget, emit_dropped_bytes=True)
+        kept = len(data) - int(collate([{"text": text}])["dropped_bytes"][0])
+        following = data[kept:].decode()[:1]
+        assert not following or unicodedata.combining(following) == 0, (budget, kept, repr(data[:kept].decode()[-3:]))

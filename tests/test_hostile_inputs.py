@@ -22,6 +22,12 @@ from xtoken_dp.tensorclasses import RewardData, TokenSeq
 
 META = torch.device("meta")
 
+
+def _id_aligner():
+    from xtoken_dp.aligner import TokenAligner
+    from xtoken_dp.tokenizers import load_tokenizer
+    return TokenAligner(load_tokenizer("qwen2"), load_tokenizer("mistral_spm"))
+
 CASES = {
     "lengths beyond int64": (lambda: as_lengths([1, 2**63]), ValueError, "lengths[1]: expected an int that fits in int64"),
     "lengths far beyond int64": (lambda: as_lengths([-2**70], "response_lengths"), ValueError,
@@ -55,6 +61,12 @@ CASES = {
     "a receipt whose extra_info is no dict": (
         lambda: KVBatchMeta(partition_id="p", sample_ids=["a"], fields=["x"], extra_info=[("step", 1)]),
         TypeError, "extra_info: expected a dict of batch-level values or None, got list"),
+    "ids on the meta device": (lambda: _id_aligner().align(torch.ones(1, 2, dtype=torch.long, device=META), torch.ones(1, 2, dtype=torch.long)),
+                               ValueError, "student_ids must hold ids, got a tensor on the meta device"),
+    "an attention mask on the meta device": (
+        lambda: _id_aligner().align(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                                    student_attention_mask=torch.ones(1, 2, dtype=torch.long, device=META)),
+        ValueError, "student_attention_mask must hold 0/1 values, got a tensor on the meta device"),
     "a receipt sliced from a bool": (
         lambda: KVBatchMeta(partition_id="p", sample_ids=["a", "b"], fields=["x"]).slice(True, 2),
         TypeError, "start: expected an int, got bool True"),

@@ -444,7 +444,7 @@ def _align_texts(self: CrossTokenizerCollator, texts: list[str], clock: dict) ->
     toks = (self.student_tokenizer, *(self.teacher_tokenizers[i] for i in self._cross))
     budgets = [self._student_budget] + [self.ctx_length_teachers[i] for i in self._cross]
     cut = truncate_batch(sides, budgets, keep_trailing_specials=self.keep_trailing_specials,
-                         template_leads=[template_specials(t)[0] for t in toks])
+                         template_leads=[template_specials(t)[0] for t in toks], texts=texts)  # no cut inside a normalised stretch
     t2 = time.perf_counter()
     results = [None] * self.num_teachers
     truncated = cut.truncated if len(texts) else None  # the aligner cannot reshape a [0, N] array

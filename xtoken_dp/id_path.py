@@ -395,6 +395,7 @@ def _as_2d_ids(x, name):
     if x.dim() != 2: raise ValueError(f"{name} must be 2-D [B, T], got shape {tuple(x.shape)}")
     if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
         raise ValueError(f"{name} must hold integer ids, got dtype {str(x.dtype).removeprefix('torch.')}")
+    if x.is_meta: raise ValueError(f"{name} must hold ids, got a tensor on the meta device (a shape without data)")
     return x.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
@@ -408,6 +409,7 @@ def _as_mask(m, name, shape):
         raise ValueError(f"{name} must have shape {tuple(shape)} (that of the ids), got {tuple(m.shape)}")
     if m.is_floating_point() or m.is_complex():
         raise ValueError(f"{name} must be int or bool 0/1, got dtype {str(m.dtype).removeprefix('torch.')}")
+    if m.is_meta: raise ValueError(f"{name} must hold 0/1 values, got a tensor on the meta device (a shape without data)")
     arr = m.detach().cpu().numpy()
     if arr.dtype != np.bool_:
         bad = (arr != 0) & (arr != 1)

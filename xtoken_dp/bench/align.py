@@ -148,7 +148,7 @@ def collate_tail(pair: Pair, # the pair
     spans_s = batch_token_byte_spans(s_tok, texts, encodings=encodings[0])
     spans_t = batch_token_byte_spans(t_tok, texts, encodings=encodings[1])
     cut = truncate_batch([spans_s, spans_t], list(pair.ctx), template_leads=[template_specials(s_tok)[0],
-                                                                             template_specials(t_tok)[0]])
+                                                                             template_specials(t_tok)[0]], texts=texts)
     res = pair.aligner.align_spans_batch(cut.spans[0], cut.spans[1], texts=texts, nbytes=cut.nbytes, truncated=cut.truncated)
     return {"padded": res.to_padded(*pair.ctx), "jagged": res.to_jagged(), "kept": cut}
 
@@ -159,12 +159,12 @@ def timed_parts(pair: Pair, texts: list[str], encodings: tuple[list, list], repe
     spans_s = batch_token_byte_spans(s_tok, texts, encodings=encodings[0])
     spans_t = batch_token_byte_spans(t_tok, texts, encodings=encodings[1])
     leads = [template_specials(s_tok)[0], template_specials(t_tok)[0]]
-    cut = truncate_batch([spans_s, spans_t], list(pair.ctx), template_leads=leads)
+    cut = truncate_batch([spans_s, spans_t], list(pair.ctx), template_leads=leads, texts=texts)
     res = pair.aligner.align_spans_batch(cut.spans[0], cut.spans[1], texts=texts, nbytes=cut.nbytes, truncated=cut.truncated)
     return time_many({
         "spans": lambda: (batch_token_byte_spans(s_tok, texts, encodings=encodings[0]),
                           batch_token_byte_spans(t_tok, texts, encodings=encodings[1])),
-        "truncate": lambda: truncate_batch([spans_s, spans_t], list(pair.ctx), template_leads=leads),
+        "truncate": lambda: truncate_batch([spans_s, spans_t], list(pair.ctx), template_leads=leads, texts=texts),
         "align": lambda: pair.aligner.align_spans_batch(cut.spans[0], cut.spans[1], texts=texts, nbytes=cut.nbytes,
                                                         truncated=cut.truncated),
         "pack": lambda: (res.to_padded(*pair.ctx), res.to_jagged()),
