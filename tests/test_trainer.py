@@ -369,3 +369,30 @@ def test_byte_counts_of_truncated_samples_are_the_bytes_kept(parts):
     kept = [len(d["text"].encode("utf-8")) - int(dropped) for d, dropped in zip(data, batch["dropped_bytes"])]
     assert int(batch["dropped_bytes"].min()) > 0  # every sample was cut
     assert batch["student_token_bytes"].sum(1).tolist() == kept
+
+
+def _evaluate_on_rank(rank, world_size, port, out_dir):
+    "One spawned rank of the data-parallel evaluation test: torchrun's environment, then `evaluate()` on 8 samples."
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    parts = _parts()
+    metrics = build_trainer(f"{out_dir}/run{rank}", parts, per_device_eval_batch_size=2).evaluate(eval_dataset=parts["data"][:8])
+    with open(f"{out_dir}/rank{rank}.json", "w") as f: json.dump(metrics, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_evaluate_as_one(parts, tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as free:  # a port nobody listens on, for the ranks' rendezvous
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    single = build_trainer(tmp_path / "single", parts, per_device_eval_batch_size=2).evaluate(eval_dataset=parts["data"][:8])
+    mp.start_processes(_evaluate_on_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        metrics = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name in ("eval_loss", "eval_ce_loss", "eval_kd_loss_t0", "eval_bits_per_byte", "eval_num_tokens", "eval_num_bytes"):
+            assert metrics[name] == pytest.approx(single[name], rel=1e-6), (rank, name)
