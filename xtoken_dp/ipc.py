@@ -133,7 +133,7 @@ class TopKTeacherLogits:
     "Teacher logits of a microbatch stored as top-k: views of bf16 values, int32 ids, fp32 logsumexp and target log-probs."
     values: Tensor  # [n, T, k] bf16 logits on the support, relative to each row's maximum
     indices: Tensor  # [n, T, k] int32 token ids of the support (all < vocab_size)
-    lse: Tensor  # [n, T] fp32 logsumexp of the same shifted logits over the full width W
+    lse: Tensor  # [n, T] fp32 logsumexp of the same shifted logits over the vocabulary's V columns
     target_logprob: Tensor|None  # [n, T] fp32 exact log-prob of the next teacher token (NaN where none), or None
     vocab_size: int  # V, the teacher's vocabulary size: the width of densify()
 
@@ -365,10 +365,10 @@ def _topk_parts(self: TeacherLogitsProducer, logits, vocab_size, target_ids):
            "lse": torch.empty((B, T), dtype=torch.float32, device=dev),
            "target_logprob": torch.full((B, T), float("nan"), dtype=torch.float32, device=dev)}
     for b in range(B):
-        row = logits[b].to(device=dev, dtype=torch.float32)
+        row = logits[b, :, :vocab_size].to(device=dev, dtype=torch.float32)  # lm_head padding columns are no tokens
         shifted = row - row.amax(-1, keepdim=True)
         lse = shifted.logsumexp(-1)
-        top = shifted[:, :vocab_size].topk(k, dim=-1)
+        top = shifted.topk(k, dim=-1)
         out["values"][b], out["indices"][b], out["lse"][b] = top.values, top.indices, lse
         if target_ids is not None:
             ids = target_ids[b].to(dev)
