@@ -69,7 +69,7 @@ def _ce_terms(mb):
 
 def xtoken_kd_loss(student_logits: Tensor, # [B, T_s, W_s] student logits (W_s >= student_vocab_size)
                    batch, # the microbatch: flat Mapping/TensorDict, DataProto or DistillBatch
-                   teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits or a top-k IPC record
+                   teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits, or a TeacherSignal / SparseTeacher / top-k record
                    *, config: XTokenLossConfig, # the loss configuration
                    normalizers: GlobalNormalizers, # the step's global counts (compute_global_normalizers)
                    group=None, # process group of the scores' all-reduce (None: the DP group)

@@ -23,10 +23,11 @@ from torch.autograd.function import once_differentiable
 from .config import XTokenLossConfig
 from .parallel import gather_columns, tp_layout
 from .chunks import Chunks, Microbatch, TeacherView, check_targets
-from .modes import (check_alm_teacher, kept_positions, pkl_projection, teacher_input, teacher_term,
-                                    top_columns, topk_kl_term)
-from .teachers import (all_teacher_metrics, averaged_metrics, combine_losses, kd_weights, mean_logits,
-                                       position_values, teacher_scores)
+from .modes import (check_alm_teacher, kept_positions, pkl_projection, sparse_columns, teacher_input,
+                                    teacher_term, top_columns, topk_kl_term)
+from .sparse import logit_rows, sparse_position_values
+from .teachers import (all_teacher_metrics, averaged_metrics, averaged_teacher, combine_losses, kd_weights,
+                                       mean_logits, position_values, teacher_scores)
 
 # %% auto #0
 __all__ = ['AUTO_WHOLE_BYTES', 'AUTO_BLOCKS', 'AUTO_BLOCKS_BY_MODE', 'AUTO_MIN_POSITIONS', 'AUTO_BLOCKS_OVERWRITE',
@@ -140,6 +141,7 @@ def _columns_by_rows(rows_of, voters, shape, k, scope, step):
 def _scores_by_rows(teacher, metric, step):
     "`_position_score` computed `step` teacher rows at a time (no `[B, T_t, V_t]` copy)."
     mask, targets = teacher.next_mask_and_targets
+    if teacher.is_sparse: return sparse_position_values(teacher.sparse, targets, mask, metric, teacher.mb.dtype), mask
     if metric == "ce": check_targets(targets, mask, teacher.W)  # once, not a device sync per step
     values = torch.zeros(mask.shape, dtype=teacher.mb.dtype, device=mask.device)
     for b in range(mask.shape[0]):
@@ -159,8 +161,10 @@ def _plan_columns(mb, teachers, config, step):
             voters = mb.chunks(t.i, t.T).tau >= 0
         elif t.spec.mode == "topk_kl": V, voters = config.student_vocab_size, mb.next_mask
         else: continue
-        if t.W >= V:  # a narrower teacher fails in its term, with the term's message
-            columns[t.i] = _columns_by_rows(t.rows, voters, (mb.B, t.T, V), min(config.vocab_topk or V, V), scope, step)
+        k = min(config.vocab_topk or V, V)
+        if t.is_sparse: columns[t.i] = sparse_columns(logit_rows(t.sparse, mb.dtype), voters, k, scope, V)  # k-sized rows: whole
+        elif t.W >= V:  # a narrower teacher fails in its term, with the term's message
+            columns[t.i] = _columns_by_rows(t.rows, voters, (mb.B, t.T, V), k, scope, step)
     return columns
 
 # %% ../../nbs/08g_losses_blocks.ipynb #9836133c
@@ -212,8 +216,11 @@ def _plan(mb, teachers, config, normalizers, group):
         plan.averaged = torch.tensor([t.weight for t in config.teachers], dtype=mb.dtype, device=mb.device)
         V, W = config.student_vocab_size, teachers[0].W
         rows_of = lambda b, q0, q1: mean_logits(plan.averaged, [t.rows(b, q0, q1) for t in teachers])
-        plan.columns = {} if W < V else {None: _columns_by_rows(rows_of, mb.next_mask, (mb.B, mb.T, V), min(config.vocab_topk or V, V),
-                                                                 config.effective_topk_scope, step)}
+        k, scope = min(config.vocab_topk or V, V), config.effective_topk_scope
+        if any(t.is_sparse for t in teachers):  # the mean of sparse teachers is sparse rows of the whole microbatch
+            mean = averaged_teacher(plan.averaged, [t.sparse if t.is_sparse else t.logits for t in teachers], V, mb.dtype)
+            plan.columns = {None: sparse_columns(mean, mb.next_mask, k, scope, V)}
+        else: plan.columns = {} if W < V else {None: _columns_by_rows(rows_of, mb.next_mask, (mb.B, mb.T, V), k, scope, step)}
     else:
         plan.weights, plan.computed, plan.extras = kd_weights(config, scores)
         plan.columns = _plan_columns(mb, [teachers[i] for i in plan.computed], config, step)
@@ -249,13 +256,13 @@ def _block_teacher(teacher, part, blk, columns):
     (q0, q1), view = blk.spans[teacher.i], TeacherView.__new__(TeacherView)
     rows = lambda x: x if x is None else x[blk.b:blk.b + 1, q0:q1]
     mask, targets = teacher.next_mask_and_targets
-    raw = SimpleNamespace(target_logprob=rows(teacher.raw.target_logprob)) if teacher.is_record else None
     kept = blk.kept.get(teacher.i)  # kept rows: converted to the compute dtype once picked, not the whole block first
-    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=raw, is_record=teacher.is_record, T=q1 - q0, W=teacher.W,
-                         source_dtype=teacher.source_dtype,
-                         logits=teacher.rows(blk.b, q0, q1, convert=not kept), next_mask_and_targets=(rows(mask), rows(targets)),
+    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_sparse=teacher.is_sparse, T=q1 - q0, W=teacher.W,
+                         source_dtype=teacher.source_dtype, sparse=None, next_mask_and_targets=(rows(mask), rows(targets)),
                          fixed_columns=None if columns is None else columns[blk.b:blk.b + 1], kept=kept,
                          alm_checked=True)  # the plan checked them
+    if teacher.is_sparse: view.sparse = teacher.sparse.rows(blk.b, q0, q1)  # the block's k-sized rows
+    else: view.logits = teacher.rows(blk.b, q0, q1, convert=not kept)
     return view
 
 
@@ -265,7 +272,7 @@ def _block_parts(mb, teachers, plan, blk, z):
     part = _block_microbatch(mb, blk, z, {i: _block_chunks(mb.chunks(i, teachers[i].T), blk, (blk.spans[i], blk.ranges[i]),
                                                            bool(blk.kept.get(i))) for i in plan.chunked})
     if plan.averaged is not None:
-        mean = mean_logits(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers])
+        mean = averaged_teacher(plan.averaged, [t.rows(blk.b, blk.p0, blk.p1) for t in teachers], mb.config.student_vocab_size, mb.dtype)
         cols = plan.columns.get(None)
         terms = {None: topk_kl_term(part, mean, None if cols is None else cols[blk.b:blk.b + 1])}
         kd = terms[None].total / n.n_tok

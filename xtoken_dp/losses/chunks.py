@@ -25,6 +25,7 @@ from tensordict import TensorDictBase
 from ..aligner import shift_chunk_ids
 from ..core import check_int
 from ..schema import AlignmentBatch, compact_jagged, is_jagged, scatter_rows
+from ..teacher_signal import SIGNAL_TOKEN_FIELDS, as_sparse_teacher
 from .config import PROJECTION_MODES, XTokenLossConfig
 from .parallel import dp_all_reduce_stack
 
@@ -364,10 +365,6 @@ def check_normalizers(normalizers, config):
     if missing: raise ValueError(f"normalizers have no count for teachers {missing}: computed with another config?")
 
 # %% ../../nbs/08c_losses_chunks.ipynb #e2ac0b4c
-def _is_topk_record(x) -> bool:
-    return not isinstance(x, Tensor) and callable(getattr(x, "densify", None)) and hasattr(x, "target_logprob")
-
-
 def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -465,20 +462,34 @@ class Microbatch:
 _IDS_CHECKED = weakref.WeakSet()  # teacher specs whose vocab_size a batch's teacher ids have been checked against
 
 
+def _sparse_input(raw, mb, i, spec):
+    "A sparse teacher input as a `SparseTeacher` on the microbatch's device (a signal padded to the batch's teacher positions), or None."
+    if all(hasattr(raw, name) for name in SIGNAL_TOKEN_FIELDS) and callable(getattr(raw, "sparse", None)):
+        width = mb.T if spec.mode == "topk_kl" else _token_field(mb.flat, f"teacher_{i}_input_ids", None, 0).shape[1]
+        try: return raw.sparse(width, device=mb.device)
+        except ValueError as e: raise ValueError(f"teacher {i}: {e}") from None
+    sparse = as_sparse_teacher(raw)
+    return None if sparse is None else sparse.to(mb.device)
+
+
 class TeacherView:
-    "Teacher `i`'s inputs for one loss call."
+    "Teacher `i`'s inputs for one loss call: dense logits, or a sparse teacher that no mode densifies."
     def __init__(self, mb, i, raw):
         self.mb, self.i, self.spec, self.raw = mb, i, mb.config.teachers[i], raw
-        self.is_record = _is_topk_record(raw)
-        self.source_dtype = None if self.is_record else getattr(raw, "dtype", None)  # None: a record's rows are computed
-        if not self.is_record and (not isinstance(raw, Tensor) or raw.dim() != 3 or not raw.is_floating_point()):
-            raise ValueError(f"teacher {i}: logits must be a floating [B, T_t, W_t] tensor or a top-k record, got "
-                             f"{getattr(raw, 'shape', type(raw).__name__)}")
-        B, self.T, self.W = tuple(raw.shape)
+        self.sparse = _sparse_input(raw, mb, i, self.spec)
+        self.is_sparse = self.sparse is not None
+        self.source_dtype = None if self.is_sparse else getattr(raw, "dtype", None)  # None: a sparse teacher's rows are computed
+        if not self.is_sparse and (not isinstance(raw, Tensor) or raw.dim() != 3 or not raw.is_floating_point()):
+            raise ValueError(f"teacher {i}: logits must be a floating [B, T_t, W_t] tensor or a sparse teacher (TeacherSignal, "
+                             f"SparseTeacher, top-k record), got {getattr(raw, 'shape', type(raw).__name__)}")
+        B, self.T, self.W = tuple(self.sparse.shape if self.is_sparse else raw.shape)
         if B != mb.B: raise ValueError(f"teacher {i}: logits have {B} rows, the student's have {mb.B}")
         if self.spec.mode == "topk_kl" and self.T != mb.T:
             raise ValueError(f"teacher {i}: same-vocab mode needs teacher logits on the student's ids (T_t == T_s = "
                              f"{mb.T}), got T_t={self.T}")
+        if self.is_sparse and self.W != self.spec.vocab_size:
+            raise ValueError(f"teacher {i}: the sparse teacher's vocabulary has {self.W} ids, TeacherLossSpec.vocab_size "
+                             f"is {self.spec.vocab_size}")
         if self.W < self.spec.vocab_size:
             raise ValueError(f"teacher_logits[{i}]: teacher {i} ({self.spec.mode}) reads its vocabulary's "
                              f"{self.spec.vocab_size} columns; expected a logit width W_t >= {self.spec.vocab_size}, got {self.W}")
@@ -493,22 +504,22 @@ class TeacherView:
     kept = None  # the rows of the valid chunks, found before a blockwise pass (None: found from the chunks; False: every row)
     alm_checked = False  # ALM's teacher inputs were checked before a blockwise pass
 
+    @property
+    def shape(self) -> tuple:
+        "`(B, T_t, W_t)`: the dense shape of the teacher (a sparse teacher's: `W_t = V_t`)."
+        return (self.mb.B, self.T, self.W)
+
     @cached_property
     def logits(self) -> Tensor:
-        "Teacher logits (log-probs for a record) in the compute dtype, without gradient."
-        dense = self.raw.densify() if self.is_record else self.raw
-        return dense.detach().to(self.mb.device, self.mb.dtype)
+        "Teacher logits in the compute dtype, without gradient (a sparse teacher has none: it is never densified)."
+        if self.is_sparse: raise RuntimeError(f"teacher {self.i} is sparse: its terms read its entries, nothing densifies it")
+        return self.raw.detach().to(self.mb.device, self.mb.dtype)
 
-    def rows(self, b, q0, q1, convert=True) -> Tensor:
-        """Logits of sample `b` at positions `[q0, q1)`, `[1, q1 - q0, W_t]`; a dataclass record densifies only those rows.
-        `convert=False` leaves them in their own dtype, for a caller that keeps a few of them and converts those."""
-        if not self.is_record: dense = self.raw[b:b + 1, q0:q1]
-        elif dataclasses.is_dataclass(self.raw):
-            parts = {f.name: getattr(self.raw, f.name)[b:b + 1, q0:q1] for f in dataclasses.fields(self.raw)
-                     if isinstance(getattr(self.raw, f.name), Tensor)}
-            dense = dataclasses.replace(self.raw, **parts).densify()
-        else: return self.logits[b:b + 1, q0:q1]
-        return dense.detach().to(self.mb.device, self.mb.dtype if convert else None)
+    def rows(self, b, q0, q1, convert=True):
+        """Sample `b` at positions `[q0, q1)`: dense logits `[1, q1 - q0, W_t]` (`convert=False`: in their own dtype, for a
+        caller that keeps a few of them and converts those), or a one-sample `SparseTeacher` (views)."""
+        if self.is_sparse: return self.sparse.rows(b, q0, q1)
+        return self.raw[b:b + 1, q0:q1].detach().to(self.mb.device, self.mb.dtype if convert else None)
 
     def sliced(self, width):
         "The teacher logits cut to the `width` columns of the teacher's vocabulary (a `ValueError` if narrower)."

@@ -93,7 +93,7 @@ def _check_fused_inputs(hidden, weight, bias):
 def xtoken_kd_loss_fused(hidden: Tensor, # [B, T_s, H] the student's last hidden states
                          lm_head_weight: Tensor, # [W_s, H] lm_head rows (a vocabulary-parallel rank: its W_s / tp rows)
                          batch, # the microbatch, as for xtoken_kd_loss
-                         teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits or a top-k IPC record
+                         teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits, or a TeacherSignal / SparseTeacher / top-k record
                          *, config: XTokenLossConfig, # the loss configuration (block_size: positions per block)
                          normalizers: GlobalNormalizers, # the step's global counts (compute_global_normalizers)
                          bias: Tensor | None = None, # [W_s] lm_head bias (this rank's slice), or None

@@ -24,11 +24,15 @@ from .config import XTokenLossConfig
 from .chunks import (PKL_EPS, TINY, Chunks, Microbatch, TeacherView, check_targets, chunk_first, chunk_sum,
                                      log1mexp, next_token_logprob, prob_kl, reduce_chunks, tempered, top1_index)
 from .uld_routes import SIXTEEN_BIT_L1, sorted_l1
+from .sparse import (SparseRows, SparseSoftmaxKL, chunk_rows, kl_entries, log_softmax_rows, logit_rows, prob_rows,
+                                     rows_argmax, rows_at_columns, rows_sum, rows_vote, softmax_kl_entries, sorted_l1_entries,
+                                     teacher_rows)
 
 # %% auto #0
-__all__ = ['SMALL_DENSE_COLUMNS', 'SIXTEEN_BIT_ULD', 'KEEP_SHARE', 'top_columns', 'Fp32SparseMM', 'select_projection_columns',
-           'TeacherTerm', 'pkl_projection', 'SoftmaxKL', 'topk_kl_term', 'check_alm_teacher', 'kept_positions',
-           'teacher_term', 'teacher_input', 'per_chunk_losses']
+__all__ = ['SMALL_DENSE_COLUMNS', 'SIXTEEN_BIT_ULD', 'KEEP_SHARE', 'sparse_columns', 'top_columns', 'Fp32SparseMM',
+           'select_projection_columns', 'TeacherTerm', 'pkl_projection', 'SoftmaxKL', 'topk_kl_term',
+           'check_alm_teacher', 'sparse_chunk_distributions', 'kept_positions', 'teacher_term', 'teacher_input',
+           'per_chunk_losses']
 
 # %% ../../nbs/08e_losses_modes.ipynb #45304abf
 def _teacher_columns(y, voters, k, scope):
@@ -39,6 +43,14 @@ def _teacher_columns(y, voters, k, scope):
     if scope == "microbatch": scores = y.amax((0, 1))[None] if T else y.new_full((1, V), -math.inf)
     else: scores = torch.stack([_voting_max(y[b], voters[b]) for b in range(B)])
     return top_columns(scores, k).expand(B, k)
+
+
+def sparse_columns(rows, voters, k, scope, V):
+    "`_teacher_columns` of sparse logit rows (`SparseRows`): every id when `k >= V`, else the `k` best of `rows_vote`."
+    B = rows.ids.shape[0]
+    if k >= V: return torch.arange(V, device=rows.ids.device).expand(B, V)
+    if B == 0: return torch.zeros(0, k, dtype=torch.int64, device=rows.ids.device)
+    return top_columns(rows_vote(rows, voters, scope, V), k)
 
 
 def _at_columns(x, cols):
@@ -219,17 +231,15 @@ def _unseen_mass(M, probs, cols, chunks, how):
     return reduce_chunks(u[..., None], chunks.sigma, chunks.max_chunks, how)
 
 
-def _pkl_bucket(cfg, y, cols, R, U, chunks):
+def _pkl_bucket(cfg, ell, every_column, R, U, chunks):
     """P-KL with one "rest" entry per side: the student's projected mass `R` is not renormalised, its rest `U` is its
-    mass on rows with no teacher column or projected outside `cols`; the teacher's log-probs are over its whole
-    vocabulary, read at `cols` (its rest is the mass outside them, exactly 0 when `cols` is every column)."""
+    mass on rows with no teacher column or projected outside the columns; the teacher's log-probs `ell` are over its
+    whole vocabulary, read at the columns (its rest is the mass outside them, exactly 0 with `every_column`)."""
     kappa = cfg.temperature
-    yt = tempered(y, kappa)
-    ell = _at_columns(yt, cols) - torch.logsumexp(yt, -1, keepdim=True)
     if cfg.chunk_target == "geometric": target = torch.softmax(reduce_chunks(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce), -1)
     else: target = reduce_chunks(ell.exp(), chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
     with_rest = lambda p, rest: torch.cat([p, rest], -1)
-    whole = cfg.chunk_target == "geometric" or cols.shape[1] == y.shape[-1]  # the teacher's rest is exactly 0
+    whole = cfg.chunk_target == "geometric" or every_column  # the teacher's rest is exactly 0
     p_rest = target.new_zeros(target.shape[:-1] + (1,)) if whole else (1 - target.sum(-1, keepdim=True)).clamp_min(0)
     p, q = with_rest(target, p_rest), with_rest(R, U)
     kl = prob_kl(q, p) if cfg.reverse_kl else prob_kl(p, q)
@@ -248,21 +258,38 @@ def _pkl_columns(mb, teacher, chunks, V_t):
     "The teacher columns a pkl term compares: fixed before a blockwise pass, else voted by every position in a chunk."
     if teacher.fixed_columns is not None: return teacher.fixed_columns
     cfg = mb.config
-    return _teacher_columns(teacher.sliced(V_t), chunks.tau >= 0, min(cfg.vocab_topk or V_t, V_t), cfg.effective_topk_scope)
+    k, voters = min(cfg.vocab_topk or V_t, V_t), chunks.tau >= 0
+    if teacher.is_sparse: return sparse_columns(logit_rows(teacher.sparse, mb.dtype), voters, k, cfg.effective_topk_scope, V_t)
+    return _teacher_columns(teacher.sliced(V_t), voters, k, cfg.effective_topk_scope)
+
+
+def _teacher_at_columns(teacher, cols, V_t, kappa=None):
+    """The teacher's logits `y` read at `cols` (a sparse teacher's: its densified log-probs), or with `kappa` its
+    log-probs `log_softmax(y/κ)` over the whole vocabulary read at `cols`."""
+    if teacher.is_sparse:
+        dtype = teacher.mb.dtype
+        rows = logit_rows(teacher.sparse, dtype) if kappa is None else teacher_rows(teacher.sparse, kappa, dtype)
+        return rows_at_columns(rows, cols)
+    y = teacher.sliced(V_t)
+    if kappa is None: return _at_columns(y, cols)
+    yt = tempered(y, kappa)
+    return _at_columns(yt, cols) - torch.logsumexp(yt, -1, keepdim=True)
 
 
 def _pkl_term(mb, teacher, chunks):
     cfg, kappa = mb.config, mb.config.temperature
     M = pkl_projection(mb, teacher.spec)
     V_s, V_t = M.shape
-    z, y = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), teacher.sliced(V_t)
-    k = min(cfg.vocab_topk or V_t, V_t)
     cols = _pkl_columns(mb, teacher, chunks, V_t)
+    if teacher.is_sparse and cols.shape[1] == V_t: return _sparse_pkl_term(mb, teacher, chunks, M)  # every column: closed form
+    z = mb.sliced(V_s, f"teacher {teacher.i}'s pkl term")
+    k = cols.shape[1]
     probs = torch.softmax(tempered(z, kappa), -1)
     R = reduce_chunks(_project(M, probs, cols), chunks.sigma, chunks.max_chunks, cfg.chunk_reduce)
     if cfg.pkl_unseen == "bucket" and not cfg.reference_formulas:
-        return _pkl_bucket(cfg, y, cols, R, _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce), chunks)
-    ell = torch.log_softmax(tempered(_at_columns(y, cols), kappa), -1)
+        return _pkl_bucket(cfg, _teacher_at_columns(teacher, cols, V_t, kappa), k == V_t, R,
+                           _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce), chunks)
+    ell = torch.log_softmax(tempered(_teacher_at_columns(teacher, cols, V_t), kappa), -1)
     if cfg.reference_formulas:
         L = reduce_chunks(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         R_hat, target = R / (R.sum(-1, keepdim=True) + PKL_EPS), L.exp()
@@ -289,16 +316,11 @@ def _columns(x, ids):
     return x.index_select(-1, ids)
 
 
-def _gold_term(mb, teacher, chunks):
-    cfg, spec, kappa = mb.config, teacher.spec, mb.config.temperature
-    token_map = build_exact_token_map(spec.projection_path, mb.device, xtoken_loss=spec.mode == "hkl",
-                                      teacher_vocab_size=spec.vocab_size, student_vocab_size=cfg.student_vocab_size)
-    rows = get_topk_projection(spec.projection_path, mb.device)[0].shape[0]
-    z = mb.sliced(max(cfg.student_vocab_size, rows), f"teacher {teacher.i}'s {spec.mode} term")
-    y = teacher.sliced(spec.vocab_size)
+def _dense_gold_parts(cfg, z, y, token_map, chunks):
+    "`(common KL, tail L1, top-1 hits, rho_t)` per chunk of gold / H-KL with dense teacher logits `y`."
+    kappa, C = cfg.temperature, chunks.max_chunks
     c_s, c_t = token_map["common_student"], token_map["common_teacher"]
     u_s, u_t = token_map["uncommon_student"], token_map["uncommon_teacher"]
-    C = chunks.max_chunks
     if cfg.reference_formulas:
         A_s = reduce_chunks(torch.log_softmax(tempered(z, kappa), -1), chunks.sigma, C, cfg.chunk_reduce)
         A_t = reduce_chunks(torch.log_softmax(tempered(y, kappa), -1), chunks.tau, C, cfg.chunk_reduce)
@@ -316,12 +338,24 @@ def _gold_term(mb, teacher, chunks):
         common = prob_kl(q, p) if cfg.reverse_kl else prob_kl(p, q)
         tail_s, tail_t = _columns(P_s, u_s), _columns(P_t, u_t)
     l1 = sorted_l1(tail_s, tail_t, min(u_s.numel(), u_t.numel(), cfg.uncommon_topk))
+    return common, l1, top1_index(a_s) == top1_index(a_t), rho_t
+
+
+def _gold_term(mb, teacher, chunks):
+    cfg, spec, kappa = mb.config, teacher.spec, mb.config.temperature
+    token_map = build_exact_token_map(spec.projection_path, mb.device, xtoken_loss=spec.mode == "hkl",
+                                      teacher_vocab_size=spec.vocab_size, student_vocab_size=cfg.student_vocab_size)
+    rows = get_topk_projection(spec.projection_path, mb.device)[0].shape[0]
+    z = mb.sliced(max(cfg.student_vocab_size, rows), f"teacher {teacher.i}'s {spec.mode} term")
+    if teacher.is_sparse: common, l1, top1, rho_t = _sparse_gold_parts(cfg, z, teacher, token_map, chunks)
+    else: common, l1, top1, rho_t = _dense_gold_parts(cfg, z, teacher.sliced(spec.vocab_size), token_map, chunks)
     valid = chunks.valid
     kl_common = torch.where(valid, kappa ** 2 * common, 0.)
     l1_part = torch.where(valid, kappa ** 2 * cfg.uncommon_weight * l1, 0.)
-    top1 = ((top1_index(a_s) == top1_index(a_t)) & valid).sum() if c_s.numel() else valid.new_zeros(()).sum()
+    top1 = (top1 & valid).sum() if token_map["common_student"].numel() else valid.new_zeros(()).sum()
     return _term(kl_common + l1_part, valid, kl_common=kl_common.sum().detach(), l1_uncommon=l1_part.sum().detach(),
                  top1_common=top1, uncommon_mass=torch.where(valid, rho_t, 0.).sum().detach())
+
 
 # %% ../../nbs/08e_losses_modes.ipynb #b4c15b02
 class SoftmaxKL(torch.autograd.Function):
@@ -349,8 +383,14 @@ class SoftmaxKL(torch.autograd.Function):
 
 # %% ../../nbs/08e_losses_modes.ipynb #4bae7660
 def topk_kl_term(mb, y, cols=None):
+    "Same-vocab top-k KL against dense logits `y [B, T, W]` or sparse logit rows (`SparseRows`: a sparse teacher, a mean of teachers)."
     cfg, kappa = mb.config, mb.config.temperature
     V = cfg.student_vocab_size
+    if isinstance(y, SparseRows):
+        if cols is None: cols = sparse_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope, V)
+        if cols.shape[1] == V: return _sparse_topk_kl_term(mb, y)  # every column: closed form
+        kl = SoftmaxKL.apply(_at_columns(mb.sliced(V, "the same-vocab KL"), cols), rows_at_columns(y, cols), kappa, cfg.reverse_kl)
+        return _term(kappa ** 2 * kl, mb.next_mask)
     if y.shape[-1] < V:
         raise ValueError(f"teacher_logits: a same-vocab teacher reads the student vocabulary's {V} columns; expected a "
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
@@ -361,21 +401,23 @@ def topk_kl_term(mb, y, cols=None):
 
 # %% ../../nbs/08e_losses_modes.ipynb #b4c15bd0
 def _alm_target_logprob(teacher, chunks):
-    "The teacher's next-token log-prob per position: exact `target_logprob` of a record, else from the logits."
+    "The teacher's next-token log-prob per position: a sparse teacher's exact `target_logprob`, else from the logits."
     if not teacher.alm_checked: check_alm_teacher(teacher, chunks)
-    if teacher.is_record: return torch.where(chunks.tau >= 0, teacher.raw.target_logprob.to(teacher.mb.device, teacher.mb.dtype), 0.)
+    if teacher.is_sparse:
+        return torch.where(chunks.tau >= 0, teacher.sparse.target_logprob.to(teacher.mb.device, teacher.mb.dtype), 0.)
     _, targets = teacher.next_mask_and_targets
     logits = teacher.logits if teacher.W == teacher.spec.vocab_size else teacher.sliced(teacher.spec.vocab_size)
     return next_token_logprob(logits, targets, chunks.tau >= 0, check=False)
 
 
 def check_alm_teacher(teacher, chunks):
-    "ALM's checks of the teacher side (one device sync): a record's target log-probs exist and are numbers where read, targets fit the logits."
-    if not teacher.is_record:
+    "ALM's checks of the teacher side (one device sync): a sparse teacher's target log-probs exist and are numbers where read, targets fit the logits."
+    if not teacher.is_sparse:
         check_targets(teacher.next_mask_and_targets[1], chunks.tau >= 0, teacher.spec.vocab_size)
         return
-    lp = teacher.raw.target_logprob
-    if lp is None: raise ValueError(f"teacher {teacher.i}: ALM needs target_logprob; publish the top-k record with target_ids")
+    lp = teacher.sparse.target_logprob
+    if lp is None: raise ValueError(f"teacher {teacher.i}: ALM needs target_logprob; publish the top-k record with target_ids "
+                                    f"(a TeacherSignal always has them)")
     if bool((lp.to(teacher.mb.device).isnan() & (chunks.tau >= 0)).any()):
         raise ValueError(f"teacher {teacher.i}: target_logprob is NaN at a position whose next token lies in a chunk")
 
@@ -409,13 +451,95 @@ def _sixteen_bit_sources(mb, teacher, first_s):
 def _uld_term(mb, teacher, chunks):
     cfg, spec, C = mb.config, teacher.spec, chunks.max_chunks
     first_s = chunk_first(mb.sliced(cfg.student_vocab_size, f"teacher {teacher.i}'s uld term"), chunks.sigma, C, validate=False)[0]
-    first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C, validate=False)[0]
     k = int(min(cfg.uld_topk or math.inf, cfg.student_vocab_size, spec.vocab_size))
     kappa_s, kappa_t = cfg.uld_student_temperature, cfg.uld_teacher_temperature
+    if teacher.is_sparse:  # the teacher's chunk starts as sparse rows: its sorted tail is one value repeated
+        first_t = prob_rows(chunk_rows(teacher_rows(teacher.sparse, kappa_t, mb.dtype), chunks.tau, C, "first", spec.vocab_size))
+        return _term(sorted_l1_entries(torch.softmax(tempered(first_s, kappa_s), -1), first_t, k), chunks.valid)
+    first_t = chunk_first(teacher.sliced(spec.vocab_size), chunks.tau, C, validate=False)[0]
     dtypes = _sixteen_bit_sources(mb, teacher, first_s)
     if dtypes: uld = SIXTEEN_BIT_L1[SIXTEEN_BIT_ULD[first_s.device.type]].apply(first_s, first_t, kappa_s, kappa_t, k, *dtypes)
     else: uld = sorted_l1(torch.softmax(tempered(first_s, kappa_s), -1), torch.softmax(tempered(first_t, kappa_t), -1), k)
     return _term(uld, chunks.valid)
+
+# %% ../../nbs/08e_losses_modes.ipynb #1e18b42a
+def sparse_chunk_distributions(teacher, chunks, cfg, dtype) -> SparseRows:
+    "A sparse teacher's chunk distributions (`_chunk_distributions` of its densified logits) as probability rows `[B, C, n]`."
+    V, C = teacher.sparse.vocab_size, chunks.max_chunks
+    rows = teacher_rows(teacher.sparse, cfg.temperature, dtype)
+    if cfg.chunk_target == "geometric": return prob_rows(log_softmax_rows(chunk_rows(rows, chunks.tau, C, cfg.chunk_reduce, V)))
+    return chunk_rows(prob_rows(rows), chunks.tau, C, cfg.chunk_reduce, V)
+
+
+def _sparse_pkl_term(mb, teacher, chunks, M):
+    "P-KL against a sparse teacher over every teacher column: `R` projected as before, the teacher's chunks as sparse rows."
+    cfg, kappa, C = mb.config, mb.config.temperature, chunks.max_chunks
+    V_s, V_t = M.shape
+    probs = torch.softmax(tempered(mb.sliced(V_s, f"teacher {teacher.i}'s pkl term"), kappa), -1)
+    cols = torch.arange(V_t, device=mb.device).expand(mb.B, V_t)
+    R = reduce_chunks(_project(M, probs, cols), chunks.sigma, C, cfg.chunk_reduce)
+    if cfg.reference_formulas:
+        L = chunk_rows(teacher_rows(teacher.sparse, kappa, mb.dtype), chunks.tau, C, cfg.chunk_reduce, V_t)
+        R_hat = R / (R.sum(-1, keepdim=True) + PKL_EPS)
+        kl, target_top = softmax_kl_entries(L, (R_hat + PKL_EPS).log(), reverse=cfg.reverse_kl), rows_argmax(L)
+    else:
+        P = sparse_chunk_distributions(teacher, chunks, cfg, mb.dtype)
+        if cfg.pkl_unseen == "bucket":  # the teacher's rest is 0: every column is compared
+            R_hat, extra = R, (R.new_zeros(R.shape[:-1]), _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce)[..., 0])
+        else: R_hat, extra = (R + PKL_EPS / V_t) / (R.sum(-1, keepdim=True) + PKL_EPS), None
+        kl = kl_entries(P.vals, P.valid, P.base, P.count, R_hat.gather(-1, P.ids), R_hat, reverse=cfg.reverse_kl, extra=extra)
+        target_top = rows_argmax(P)
+    hits = ((top1_index(R_hat) == target_top) & chunks.valid).sum()
+    return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
+
+
+# %% ../../nbs/08e_losses_modes.ipynb #26ff14d3
+def _split_common(rows: SparseRows, token_map) -> tuple[SparseRows, SparseRows]:
+    "A teacher's chunk rows split into its common ids (as rows over the common pairs' index `j`) and its uncommon ids."
+    c_t, u_t = token_map["common_teacher"], token_map["uncommon_teacher"]
+    pair = torch.full((c_t.numel() + u_t.numel(),), -1, dtype=torch.int64, device=c_t.device)
+    pair[c_t] = torch.arange(c_t.numel(), device=c_t.device)
+    j = pair[rows.ids]
+    common, uncommon = rows.valid & (j >= 0), rows.valid & (j < 0)
+    return (SparseRows(j.clamp_min(0), rows.vals, common, rows.base, c_t.numel() - common.sum(-1)),
+            SparseRows(rows.ids, rows.vals, uncommon, rows.base, u_t.numel() - uncommon.sum(-1)))
+
+
+def _sparse_gold_parts(cfg, z, teacher, token_map, chunks):
+    "`(common KL, tail L1, top-1 hits, rho_t)` per chunk of gold / H-KL against a sparse teacher."
+    kappa, C = cfg.temperature, chunks.max_chunks
+    c_s, u_s = token_map["common_student"], token_map["uncommon_student"]
+    k_u = min(u_s.numel(), token_map["uncommon_teacher"].numel(), cfg.uncommon_topk)
+    if cfg.reference_formulas:  # log-probs averaged per chunk, compared unnormalised
+        A_s = reduce_chunks(torch.log_softmax(tempered(z, kappa), -1), chunks.sigma, C, cfg.chunk_reduce)
+        common_t, tail_t = _split_common(chunk_rows(teacher_rows(teacher.sparse, kappa, z.dtype), chunks.tau, C,
+                                                    cfg.chunk_reduce, teacher.spec.vocab_size), token_map)
+        a_s = _columns(A_s, c_s)
+        common = softmax_kl_entries(common_t, a_s, reverse=cfg.reverse_kl)
+        l1 = sorted_l1_entries(_columns(A_s, u_s).exp(), prob_rows(tail_t), k_u)
+        return common, l1, top1_index(a_s) == rows_argmax(common_t), (1 - rows_sum(prob_rows(common_t))).clamp_min(0)
+    P_s = _chunk_distributions(z, chunks.sigma, C, cfg)
+    common_t, tail_t = _split_common(sparse_chunk_distributions(teacher, chunks, cfg, z.dtype), token_map)
+    a_s = _columns(P_s, c_s)
+    A_t = rows_sum(common_t)
+    rho_s, rho_t = (1 - a_s.sum(-1)).clamp_min(0), (1 - A_t).clamp_min(0)
+    p, q, extra = common_t, a_s, (rho_t, rho_s)
+    if cfg.effective_common_renormalize:
+        scale = A_t.clamp_min(TINY)
+        p = SparseRows(p.ids, p.vals / scale.unsqueeze(-1), p.valid, p.base / scale, p.count)
+        q, extra = a_s / a_s.sum(-1, keepdim=True).clamp_min(TINY), None
+    common = kl_entries(p.vals, p.valid, p.base, p.count, q.gather(-1, p.ids), q, reverse=cfg.reverse_kl, extra=extra)
+    l1 = sorted_l1_entries(_columns(P_s, u_s), tail_t, k_u)
+    return common, l1, top1_index(a_s) == rows_argmax(common_t), rho_t
+
+
+def _sparse_topk_kl_term(mb, rows):
+    "Same-vocab KL against sparse logit rows (a sparse teacher's densified log-probs, or several teachers' mean logits)."
+    cfg, kappa, V = mb.config, mb.config.temperature, mb.config.student_vocab_size
+    t = log_softmax_rows(rows, kappa)
+    kl = SparseSoftmaxKL.apply(mb.sliced(V, "the same-vocab KL"), t.ids, t.vals, t.valid, t.base, t.count, kappa, cfg.reverse_kl)
+    return _term(kappa ** 2 * kl, mb.next_mask)
+
 
 # %% ../../nbs/08e_losses_modes.ipynb #b7b5d629
 KEEP_SHARE = 7 / 8  # chunk terms drop the positions of gated-off chunks when the valid chunks hold at most this share
@@ -481,12 +605,13 @@ def _on_kept(term_fn, mb, teacher, chunks, kept):
     part.__dict__.update(flat=mb.flat, config=mb.config, logits=z, z=z, B=mb.B, T=z.shape[1], W=mb.W, device=mb.device,
                          dtype=mb.dtype, source_dtype=mb.source_dtype, sample_on=mb.sample_on,
                          _chunks={teacher.i: kept.chunks})
+    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_sparse=teacher.is_sparse, T=kept.t_index.shape[1],
+                         source_dtype=teacher.source_dtype, W=teacher.W, fixed_columns=None, sparse=None)
     columns = teacher.fixed_columns  # a blockwise pass fixed them; else pkl votes them now, over every row
     if columns is None and teacher.spec.mode == "pkl": columns = _pkl_columns(mb, teacher, chunks, pkl_projection(mb, teacher.spec).shape[1])
-    y = _rows(teacher.logits, kept.t_index).to(mb.dtype)  # width-checked by the term, with its own message
-    view.__dict__.update(mb=part, i=teacher.i, spec=teacher.spec, raw=None, is_record=teacher.is_record, T=y.shape[1],
-                         source_dtype=teacher.source_dtype,
-                         W=teacher.W, logits=y, fixed_columns=columns)
+    view.fixed_columns = columns
+    if teacher.is_sparse: view.sparse = teacher.sparse.gather_rows(kept.t_index)  # k-sized rows: nothing is densified
+    else: view.logits = _rows(teacher.logits, kept.t_index).to(mb.dtype)
     term = term_fn(part, view, kept.chunks)
     per_unit = term.per_unit.new_zeros(chunks.valid.shape).scatter(1, kept.chunk_of, term.per_unit)
     return TeacherTerm(term.total, per_unit, chunks.valid, term.stats)
@@ -497,7 +622,8 @@ _CHUNK_TERMS = {"pkl": _pkl_term, "gold": _gold_term, "hkl": _gold_term, "alm": 
 
 
 def teacher_term(mb, teacher):
-    if teacher.spec.mode == "topk_kl": return topk_kl_term(mb, teacher.logits, teacher.fixed_columns)
+    if teacher.spec.mode == "topk_kl":
+        return topk_kl_term(mb, logit_rows(teacher.sparse, mb.dtype) if teacher.is_sparse else teacher.logits, teacher.fixed_columns)
     term_fn, chunks = _CHUNK_TERMS[teacher.spec.mode], mb.chunks(teacher.i, teacher.T)
     if teacher.spec.mode == "alm": return term_fn(mb, teacher, chunks)  # per-position scalars: nothing to drop
     kept = teacher.kept
@@ -514,7 +640,7 @@ def teacher_input(teacher_logits, i):
 
 def per_chunk_losses(student_logits: Tensor, # [B, T_s, W_s]
                      batch, # the flat batch (as for xtoken_kd_loss)
-                     teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits or top-k record
+                     teacher_logits: Mapping, # teacher index -> [B, T_t, W_t] logits or a sparse teacher (TeacherSignal, ...)
                      *, config: XTokenLossConfig, # the loss configuration
                      teacher: int = 0, # which teacher
                     ) -> TeacherTerm:

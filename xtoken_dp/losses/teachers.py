@@ -20,11 +20,13 @@ from torch import Tensor
 from .config import XTokenLossConfig
 from .parallel import dp_all_reduce_stack, dp_masked_mean
 from .chunks import TINY, next_token_logprob
+from .sparse import mean_logit_rows, sparse_position_values
 from .modes import teacher_term, topk_kl_term
 
 # %% auto #0
 __all__ = ['METRIC_REDUCTIONS', 'position_values', 'teacher_scores', 'teacher_weights', 'combine_losses', 'kd_weights',
-           'mean_logits', 'averaged_metrics', 'all_teacher_metrics', 'aggregate_teachers', 'reduce_metrics']
+           'mean_logits', 'averaged_teacher', 'averaged_metrics', 'all_teacher_metrics', 'aggregate_teachers',
+           'reduce_metrics']
 
 # %% ../../nbs/08f_losses_teachers.ipynb #d5d4776e
 def position_values(y, targets, mask, metric, width, check=True):
@@ -38,6 +40,7 @@ def position_values(y, targets, mask, metric, width, check=True):
 def _position_score(teacher, metric):
     "Per-position score values of a teacher, and the teacher's CE positions."
     mask, targets = teacher.next_mask_and_targets
+    if teacher.is_sparse: return sparse_position_values(teacher.sparse, targets, mask, metric, teacher.mb.dtype), mask
     return position_values(teacher.logits, targets, mask, metric, teacher.spec.vocab_size), mask
 
 
@@ -111,6 +114,13 @@ def mean_logits(weights, logits):
     return sum(w * y for w, y in zip(weights, logits)) / weights.sum()
 
 
+def averaged_teacher(weights, parts, vocab_size, dtype):
+    """The averaged_logits teacher of `parts` (per teacher dense logits or a `SparseTeacher`): dense mean logits, or
+    `SparseRows` of the mean when any teacher is sparse (never densified)."""
+    if all(isinstance(x, Tensor) for x in parts): return mean_logits(weights, parts)
+    return mean_logit_rows(weights, [x[..., :vocab_size] if isinstance(x, Tensor) else x for x in parts], dtype)
+
+
 def averaged_metrics(weights, count):
     return {k: v for i in range(len(weights))
             for k, v in ((f"weight_t{i}", (weights[i] / weights.sum()).detach()), (f"num_valid_chunks_t{i}", count))}
@@ -131,9 +141,10 @@ def aggregate_teachers(mb, teachers, scores, normalizers, config):
     n = normalizers.n_chunks
     if config.kd_loss_mode == "averaged_logits":
         weights = torch.tensor([t.weight for t in config.teachers], dtype=mb.dtype, device=mb.device)
-        shapes = {tuple(t.logits.shape) for t in teachers}
+        shapes = {tuple(t.shape) for t in teachers}
         if len(shapes) != 1: raise ValueError(f"averaged_logits needs teacher logits of one shape, got {sorted(shapes)}")
-        term = topk_kl_term(mb, mean_logits(weights, [t.logits for t in teachers]))
+        parts = [t.sparse if t.is_sparse else t.logits for t in teachers]
+        term = topk_kl_term(mb, averaged_teacher(weights, parts, config.student_vocab_size, mb.dtype))
         return term.total / normalizers.n_tok, averaged_metrics(weights, term.count), {}
     weights, computed, extras = kd_weights(config, scores)
     terms, kd = {i: teacher_term(mb, teachers[i]) for i in computed}, mb.z.new_zeros(())

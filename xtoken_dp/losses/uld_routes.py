@@ -19,10 +19,12 @@ from torch.autograd.function import once_differentiable
 from .chunks import tempered
 
 # %% auto #0
-__all__ = ['COUNT_ROWS', 'HOST_DEVICES', 'SIXTEEN_BIT_L1', 'sorted_l1']
+__all__ = ['COUNT_ROWS', 'HOST_DEVICES', 'SIXTEEN_BIT_L1', 'descending_top', 'sorted_l1']
 
 # %% ../../nbs/08d_losses_uld_routes.ipynb #905bcbdb
-def _descending_top(a: np.ndarray, k: int) -> np.ndarray:
+def descending_top(a: np.ndarray, # [n, N] float rows
+                   k: int, # how many to keep
+                  ) -> np.ndarray:
     "Indices of the `k` largest entries of each row of a 2-D float array, largest first (one vectorised sort)."
     n = a.shape[-1]
     if a.dtype == np.float32:
@@ -45,7 +47,7 @@ class _SortedL1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, k):
         shape, rows = a.shape[:-1], a.reshape(-1, a.shape[-1]).contiguous()
-        idx = torch.from_numpy(_descending_top(rows.numpy(), k).copy())  # copy: a fresh C-order array
+        idx = torch.from_numpy(descending_top(rows.numpy(), k).copy())  # copy: a fresh C-order array
         b_rows = np.sort(b.reshape(-1, b.shape[-1]).contiguous().numpy(), axis=-1)[:, ::-1][:, :k]
         diff = rows.gather(-1, idx) - torch.from_numpy(b_rows.copy())
         ctx.save_for_backward(idx, diff.sign())
