@@ -6,6 +6,7 @@ top-k ids and sum divergences with lists and `math`, one chunk at a time.
 """
 import dataclasses
 import math
+import os
 import socket
 import tempfile
 import traceback
@@ -102,6 +103,13 @@ def rows_of(batch, rows):
     return {k: v[rows] for k, v in batch.items()}
 
 
+def _save_atomically(obj, path):
+    "torch.save through a temporary name: ranks that write the same file while others read it (a config reads it) never expose half a file."
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def write_projections(directory, seed=0):
     "A dense top-k file (one-hot, colliding, fuzzy and empty rows) and a sparse dict file; returns both paths."
     g = torch.Generator().manual_seed(seed)
@@ -116,14 +124,14 @@ def write_projections(directory, seed=0):
         indices[s], likelihoods[s] = ids, w
     # row V_S - 1 stays empty
     dense = Path(directory) / "dense_projection.pt"
-    torch.save({"indices": indices, "likelihoods": likelihoods}, dense)
+    _save_atomically({"indices": indices, "likelihoods": likelihoods}, dense)
     sparse_dict = {}
     for s in range(V_S):
         for t in range(V_T):
             if torch.rand(1, generator=g).item() < 0.3: sparse_dict[(s, t)] = float(torch.randint(1, 5, (1,), generator=g))
     sparse_dict[(0, -1)] = 2.0  # a sentinel teacher id, dropped by the loader
     sparse = Path(directory) / "sparse_projection.pt"
-    torch.save(sparse_dict, sparse)
+    _save_atomically(sparse_dict, sparse)
     return dense, sparse
 
 
