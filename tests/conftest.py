@@ -59,3 +59,15 @@ def ray_session():
                  configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tq_plane(ray_session):
+    "One TransferQueue on the session's Ray for every test file (a second controller on the same Ray is refused); reads wait 0.4 s."
+    pytest.importorskip("transfer_queue")
+    from xtoken_dp.dataplane import TransferQueueDataPlane
+    plane = TransferQueueDataPlane(bootstrap=True, timeout_s=0.4)
+    yield plane
+    plane.close()
+    left = [a for a in ray_session.util.list_named_actors(all_namespaces=True) if a.get("namespace") == "transfer_queue"]
+    assert not left, f"TransferQueue services still running after close(): {left}"

@@ -32,16 +32,6 @@ TESTS = Path(__file__).resolve().parent
 WAIT_S = 0.4  # the bounded wait of the clients under test
 
 
-@pytest.fixture(scope="session")
-def tq_plane(ray_session):
-    pytest.importorskip("transfer_queue")
-    plane = TransferQueueDataPlane(bootstrap=True, timeout_s=WAIT_S)
-    yield plane
-    plane.close()
-    left = [a for a in ray_session.util.list_named_actors(all_namespaces=True) if a.get("namespace") == "transfer_queue"]
-    assert not left, f"TransferQueue services still running after close(): {left}"
-
-
 @pytest.fixture(params=["in_process", "transfer_queue", "transfer_queue_tensor_rows"])
 def plane(request):
     if request.param == "in_process":

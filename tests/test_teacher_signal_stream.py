@@ -43,12 +43,6 @@ def teacher(tok):
     return torch.nn.Sequential(torch.nn.Embedding(len(tok), 16), torch.nn.Linear(16, len(tok)))
 
 
-@pytest.fixture(scope="module")
-def tq_plane(ray_session):
-    pytest.importorskip("transfer_queue")
-    plane = TransferQueueDataPlane(bootstrap=True, timeout_s=30.0)
-    yield plane
-    plane.close()
 
 
 def expected(teacher, tok, packing):
