@@ -22,6 +22,7 @@ Modules:
 - `xtoken_dp.bench.demo`: `python -m xtoken_dp.bench demo [--quick]`: the demo's wall time cold and warm, phase by phase, and the batched-arms student step against the sequential per-arm path.
 - `xtoken_dp.bench.projection`: `python -m xtoken_dp.bench projection [--quick]`: time and peak RSS of the sparse builder on the full mistral_spm -> mistral_tekken pair, against a dense bf16 intermediate measured in the same run.
 - `xtoken_dp.bench.scale`: `python -m xtoken_dp.bench scale [--quick]`: time and peak memory of every loss mode's forward and backward at training sizes, unblocked, blocked and fused with the lm_head, against plain-torch same-vocabulary floors measured in the same run.
+- `xtoken_dp.bench.teacher`: `python -m xtoken_dp.bench teacher [--quick]`: bytes per stored teacher token, store write and read throughput, and the losses' time and teacher-side memory with a sparse teacher against a dense one, in one run.
 - `xtoken_dp.caches`: Process-local caches of projection matrices and exact-token maps, keyed by file identity.
 - `xtoken_dp.chunking`: Align two tokenizations of the same texts chunk by chunk on exact UTF-8 byte spans, for a whole batch at once: common cuts, special tokens paired by role, chunk ids, correctness.
 - `xtoken_dp.cli`: One console script, `xtoken-dp`, whose subcommands wrap the library: the demo, projection files, tokenizer files, alignment tables, teacher stores, the padding tax and benchmarks.
