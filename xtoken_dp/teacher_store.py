@@ -122,6 +122,7 @@ def unpack_bits(packed: np.ndarray, # [n, B] from `pack_bits`
                ) -> np.ndarray:
     "The `[n, m]` values of `pack_bits` (uint8 up to 8 bits, else uint16)."
     word = _word(bits)
+    if bits == 0: return np.zeros((packed.shape[0], m), word)  # k = V: every id is in the support, no low bits to keep
     planes = np.unpackbits(packed, axis=1, count=m * bits, bitorder="little").reshape(-1, bits)
     return (planes @ (1 << np.arange(bits)).astype(word)).astype(word).reshape(packed.shape[0], m)
 

@@ -24,14 +24,15 @@ from ..losses import (PROJECTION_MODES, GlobalNormalizers, TeacherLossSpec, XTok
                               compute_global_normalizers, dp_all_reduce_stack, dp_all_reduce_sum, get_dp_group,
                               per_chunk_losses)
 from ..ipc import TeacherLogitsProducer, rebuild_teacher_full_logits_from_ipc
+from ..teacher_store import StoredSignalCollator, StoreTextsError, TeacherSignalDataset, text_hash
 from .corpus import DemoTokenizers
 from .windows import TEACHER_CTX, EvalSet, StepBatcher, WindowPlan
 from .model import (ArmStack, TinyGPT, TrainConfig, arms_bits_per_byte, clip_grad_norm_per_arm_,
                                      dp_rank_world, dp_shard, make_optimizer, next_token_ce)
 
 # %% auto #0
-__all__ = ['DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'load_tuning', 'ArmSpec', 'StudentRun', 'resolve_arms',
-           'train_student']
+__all__ = ['DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'CACHED', 'load_tuning', 'ArmSpec', 'cached_arm',
+           'StoredSteps', 'StudentRun', 'resolve_arms', 'train_student']
 
 # %% ../../nbs/105_distill_arms.ipynb #5fe805d3
 DEMO_TUNING_PATH = Path(xtoken_dp.__file__).parent / "demo_tuning.json"  # written by `xtoken-dp tune`, read by the demo
@@ -49,6 +50,7 @@ class ArmSpec:
     options: dict = field(default_factory=dict) # `XTokenLossConfig` settings of this arm
     weight: float = 1.0 # KD weight (0 for CE only)
     label: str = "" # a short description for the report
+    teacher: str = "live" # "live": a teacher forward at every step; "cached": the teacher's top-k signals from the run's store
 
 BASE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [  # each arm's loss mode and fixed options; weight and κ (τ for ALM) come from the tuning record
     ArmSpec("ce", "ce", weight=0.0, label="CE only"),
@@ -66,10 +68,18 @@ def _tuned_arm(arm: ArmSpec, tuning: dict | None) -> ArmSpec:
     "`arm` with the weight and options the tuning record chose for it (weight 1 and the mode's defaults without one)."
     chosen = (tuning or {}).get("arms", {}).get(arm.name, {}).get("chosen")
     if arm.mode == "ce" or chosen is None: return dataclasses.replace(arm, label=arm.label + ("" if arm.mode == "ce" else "; untuned"))
-    return ArmSpec(arm.name, arm.mode, {**arm.options, **chosen["options"]}, float(chosen["weight"]), arm.label + "; tuned")
+    return ArmSpec(arm.name, arm.mode, {**arm.options, **chosen["options"]}, float(chosen["weight"]), arm.label + "; tuned",
+                   arm.teacher)
 
 ARMS: dict[str, ArmSpec] = {n: _tuned_arm(a, load_tuning()) for n, a in BASE_ARMS.items()}
 DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
+CACHED = ":cached"  # an arm name with this suffix reads the teacher from the store: "gold:cached"
+
+def cached_arm(arm: ArmSpec) -> ArmSpec:
+    "`arm` trained from the teacher store (sparse top-k signals, no teacher forward), named `<arm>:cached`."
+    if arm.mode == "ce": raise ValueError(f"arm: {arm.name!r} is CE only and reads no teacher")
+    if arm.teacher == "cached": return arm
+    return dataclasses.replace(arm, name=arm.name + CACHED, teacher="cached", label=arm.label + "; teacher read from the store")
 
 # %% ../../nbs/105_distill_arms.ipynb #c0b6fd6f
 def _arm_loss_config(
@@ -98,28 +108,38 @@ _IPC_KEY = "teacher_0_full_logits_ipc"  # where the handles of the teacher's log
 @dataclass
 class _TeacherSignal:
     "What one step computes once for every KD arm: the teacher's logits, the global normalisers, the arms' configs."
-    logits: Tensor # [B, T_t, V_t] teacher logits on `batch["teacher_0_input_ids"]`, no grad (an IPC view with a producer)
+    logits: Tensor | None # [B, T_t, V_t] teacher logits on `batch["teacher_0_input_ids"]`, no grad (None: no live arm)
     normalizers: dict[str, GlobalNormalizers] # arm name -> the step's global counts for its configuration
     configs: Mapping[str, XTokenLossConfig] # arm name -> its loss configuration
+    stored: tuple | None = None # the step's `(flat batch, {0: TeacherSignal})` read from the store, for the cached arms
+    cached: frozenset = frozenset() # the arms that read `stored`
 
 @torch.no_grad()
 def _teacher_signal(
-    teacher: nn.Module, # the teacher model
+    teacher: nn.Module | None, # the teacher model (None when every arm is cached)
     batch: dict, # the step's collated flat batch (receives the IPC handles with a producer)
     configs: Mapping[str, XTokenLossConfig], # the KD arms' loss configurations
     *,
     producer: TeacherLogitsProducer | None = None, # route the logits through `xtoken_dp.ipc` when given
     group=None, # data-parallel group of the normalisers (None: the losses' DP group)
+    stored: tuple | None = None, # the step's `(flat batch, {0: TeacherSignal})` from the teacher store
+    cached: Sequence[str] = (), # the arms that read `stored` instead of the teacher's logits
 ) -> _TeacherSignal:
-    "One teacher forward on the step's teacher ids, optionally through IPC, and the step's global normalisers."
-    logits = teacher(batch["teacher_0_input_ids"]).float()
-    if producer is not None:
-        batch[_IPC_KEY] = producer.publish(logits)
-        logits = rebuild_teacher_full_logits_from_ipc(batch, key=_IPC_KEY)
-    counted = {}  # one count (and one all-reduce) per way of counting, shared by the arms that count alike
-    for config in configs.values():
-        if _count_key(config) not in counted: counted[_count_key(config)] = compute_global_normalizers([batch], config, group=group)
-    return _TeacherSignal(logits, {name: counted[_count_key(c)] for name, c in configs.items()}, dict(configs))
+    "One teacher forward on the step's teacher ids when a live arm needs it (optionally through IPC), and the step's global normalisers."
+    cached = frozenset(cached)
+    if cached and stored is None: raise ValueError(f"stored: arms {sorted(cached)} read the teacher store, got no stored signal")
+    logits = None
+    if any(name not in cached for name in configs):
+        logits = teacher(batch["teacher_0_input_ids"]).float()
+        if producer is not None:
+            batch[_IPC_KEY] = producer.publish(logits)
+            logits = rebuild_teacher_full_logits_from_ipc(batch, key=_IPC_KEY)
+    counted, normalizers = {}, {}  # one count (and one all-reduce) per way of counting, shared by the arms that count alike
+    for name, config in configs.items():
+        key = (name in cached, _count_key(config))
+        if key not in counted: counted[key] = compute_global_normalizers([stored[0] if name in cached else batch], config, group=group)
+        normalizers[name] = counted[key]
+    return _TeacherSignal(logits, normalizers, dict(configs), stored, cached)
 
 def _kd_term(
     arm: ArmSpec, # a KD arm
@@ -129,8 +149,36 @@ def _kd_term(
 ) -> Tensor:
     "The KD term of `arm` for one step (its weight not applied): a scalar connected to `student_logits`."
     if arm.name not in signal.configs: raise KeyError(f"arm {arm.name!r} has no loss configuration in the signal ({sorted(signal.configs)})")
-    term = per_chunk_losses(student_logits, batch, {0: signal.logits}, config=signal.configs[arm.name])
+    batch, teachers = signal.stored if arm.name in signal.cached else (batch, {0: signal.logits})
+    term = per_chunk_losses(student_logits, batch, teachers, config=signal.configs[arm.name])
     return term.total / signal.normalizers[arm.name].n_chunks[0]
+
+# %% ../../nbs/105_distill_arms.ipynb #833a8733
+class StoredSteps:
+    "A step's windows -> `(flat batch, {0: TeacherSignal})` from a teacher store, paired with the student tokenizer."
+    def __init__(self,
+                 store: TeacherSignalDataset, # the run's teacher store
+                 toks: DemoTokenizers, # the demo's tokenizers: the store must be the teacher's
+                ):
+        self.store = store.check_teacher(tokenizer=toks.teacher)
+        self.rows = {h: i for i, h in enumerate(store.text_hashes)}
+        self.collator = StoredSignalCollator(store, toks.student)
+
+    def __repr__(self): return f"StoredSteps({self.store!r})"
+
+    def __call__(self,
+                 windows: Sequence[str], # the step's texts (this rank's share)
+                 batch: Mapping | None = None, # the live batch of the same windows, whose student side must match
+                ) -> tuple[dict, dict]:
+        "The stored teacher signals of `windows` with the student's ids and the alignment, as the losses read them."
+        hashes = [text_hash(w) for w in windows]
+        missing = [i for i, h in enumerate(hashes) if h not in self.rows]
+        if missing: raise StoreTextsError(f"{self.store.path}: lacks {len(missing)} of the step's {len(windows)} windows "
+                                          f"(first: {windows[missing[0]][:40]!r}); score them with demo_teacher_store")
+        flat, signals = self.collator(self.store.signals([self.rows[h] for h in hashes]))
+        if batch is not None and not torch.equal(flat["input_ids"], batch["input_ids"]):
+            raise ValueError("stored: the student ids paired with the store differ from the live batch's")
+        return flat, signals
 
 # %% ../../nbs/105_distill_arms.ipynb #1c0b323a
 @dataclass(repr=False)
@@ -154,9 +202,13 @@ def resolve_arms(arms) -> list[ArmSpec]:
     out = []
     for arm in arms:
         if isinstance(arm, str):
-            if arm not in ARMS: raise ValueError(f"arms: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")
-            arm = ARMS[arm]
+            base = arm.removesuffix(CACHED)
+            if base not in ARMS:
+                raise ValueError(f"arms: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}, each KD arm also as <arm>{CACHED}")
+            arm = cached_arm(ARMS[base]) if arm.endswith(CACHED) else ARMS[base]
         if not isinstance(arm, ArmSpec): raise TypeError(f"arms: expected names or ArmSpec, got {type(arm).__name__}")
+        if arm.teacher not in ("live", "cached"):
+            raise ValueError(f"arms: {arm.name!r} has teacher {arm.teacher!r}; expected 'live' or 'cached'")
         out.append(arm)
     names = [a.name for a in out]
     if len(set(names)) != len(names): raise ValueError(f"arms: expected distinct names, got {names}")
@@ -195,9 +247,11 @@ class _Phases:
 class _Lockstep:
     "One seed's arms in lockstep: their students and optimisers, this rank's share of each step, the records."
     def __init__(self, init_model: TinyGPT, arms: list, plan: WindowPlan, toks: DemoTokenizers, *, teacher, projection_path,
-                 train: TrainConfig, batched: bool, timings: dict | None):
+                 train: TrainConfig, batched: bool, timings: dict | None, store: TeacherSignalDataset | None = None):
         self.arms, self.plan, self.teacher, self.train = arms, plan, teacher, train
         self.kd_arms = [a for a in arms if a.mode != "ce"]
+        self.cached = [a.name for a in self.kd_arms if a.teacher == "cached"]
+        self.stored = StoredSteps(store, toks) if self.cached else None
         self.rank, self.world = dp_rank_world()
         self.rows = len(plan.windows[0])
         if self.rows % self.world:
@@ -251,9 +305,11 @@ def batch(self: _Lockstep, step: int) -> dict:
     return self.batcher(self.plan.windows[step][mine], idx=range(step * rows + mine.start, step * rows + mine.stop))
 
 @patch
-def signal(self: _Lockstep, batch: dict, producer) -> tuple:
-    "The step's teacher signal (None without KD arms) and its global count of CE targets."
-    signal = _teacher_signal(self.teacher, batch, self.configs, producer=producer) if self.kd_arms else None
+def signal(self: _Lockstep, step: int, batch: dict, producer) -> tuple:
+    "The step's teacher signal (None without KD arms; the store's for the cached arms) and its global count of CE targets."
+    stored = self.stored(self.plan.windows[step][self.mine], batch) if self.stored is not None else None
+    signal = (_teacher_signal(self.teacher, batch, self.configs, producer=producer, stored=stored, cached=self.cached)
+              if self.kd_arms else None)
     n_tok = next(iter(signal.normalizers.values())).n_tok if signal is not None else float(
         dp_all_reduce_sum(batch["token_mask"][:, 1:].sum().double()).clamp_min(1))
     return signal, n_tok
@@ -281,7 +337,7 @@ def step(self: _Lockstep, step: int, producer, on_step: Callable | None, probe: 
     "One training step of every arm (`probe`: also measure each KD arm's gradient ratio)."
     start = time.perf_counter()
     batch = self.batch(step); self.clock("batches")
-    signal, n_tok = self.signal(batch, producer); self.clock("teacher signal")
+    signal, n_tok = self.signal(step, batch, producer); self.clock("teacher signal")
     probes = [] if probe else None
     ce, kd = _step_arms(self.arms, self.students, self.optimizers, batch, signal, n_tok, self.train, self.world, self.clock,
                         probes)
@@ -299,6 +355,7 @@ def train_student(
     *,
     teacher: nn.Module | None = None, # the teacher model, needed by KD arms
     projection_path=None, # the demo's projection file, needed by KD arms
+    teacher_store: TeacherSignalDataset | None = None, # the teacher store, needed by cached arms
     eval_set: EvalSet | None = None, # final evaluation windows
     curve_set: EvalSet | None = None, # curve windows
     curve_every: int = 50, # steps between curve points
@@ -311,13 +368,15 @@ def train_student(
 ) -> dict[str, StudentRun]:
     "Train every arm of one seed in lockstep from one initialisation on one window plan."
     arms = resolve_arms(arms)
-    kd_arms = [a.name for a in arms if a.mode != "ce"]
-    if kd_arms and (teacher is None or projection_path is None):
-        raise ValueError(f"teacher, projection_path: KD arms {kd_arms} need a teacher and a projection")
+    live = [a.name for a in arms if a.mode != "ce" and a.teacher == "live"]
+    cached = [a.name for a in arms if a.teacher == "cached"]
+    if (live or cached) and projection_path is None: raise ValueError(f"projection_path: KD arms {live + cached} need a projection")
+    if live and teacher is None: raise ValueError(f"teacher: KD arms {live} run the teacher at every step, got None")
+    if cached and teacher_store is None: raise ValueError(f"teacher_store: arms {cached} read the teacher store, got None")
     run = _Lockstep(init_model, arms, plan, toks, teacher=teacher, projection_path=projection_path, train=train,
-                    batched=batched, timings=timings)
+                    batched=batched, timings=timings, store=teacher_store)
     producer = (TeacherLogitsProducer(max_batch=run.mine.stop - run.mine.start, max_seq_len=TEACHER_CTX,
-                                      vocab_width=len(toks.teacher)) if via_ipc and kd_arms else None)
+                                      vocab_width=len(toks.teacher)) if via_ipc and live else None)
     try:
         run.clock("setup")
         run.evaluate(0, curve_set); run.clock("evaluation")

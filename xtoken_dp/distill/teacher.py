@@ -11,18 +11,21 @@ from __future__ import annotations
 import hashlib, json, os, time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 from tqdm import tqdm
 from ..projection import build_projection_file, default_report_path
 from ..losses import build_exact_token_map
+from ..teacher_store import (SignalPacking, TeacherSignalDataset, append_shard, create_store, model_fingerprint, score_batch,
+                                     teacher_identity, text_hash)
 from .corpus import Corpus, DemoTokenizers, print_warning
 from .windows import TEACHER_CTX, WINDOW_CHARS, WindowPlan, pad_sequences, plan_windows
 from .model import GPTConfig, TinyGPT, TrainConfig, make_optimizer, next_token_ce, teacher_config
 
 # %% auto #0
-__all__ = ['TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection']
+__all__ = ['STORE_BATCH', 'STORE_SHARD', 'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'demo_store_path',
+           'demo_teacher_store']
 
 # %% ../../nbs/104_distill_teacher.ipynb #2fefdc7d
 @dataclass(repr=False)
@@ -158,3 +161,44 @@ def demo_projection(
     meta = dict(report.to_dict(), build_s=build_s)
     report_path.write_text(json.dumps(meta, indent=1) + "\n")
     return DemoProjection(path, meta, _exact_map_sizes(path, toks), False, build_s)
+
+# %% ../../nbs/104_distill_teacher.ipynb #290b5baf
+STORE_BATCH = 64  # windows per teacher forward while scoring
+STORE_SHARD = 2048  # windows per shard
+
+def demo_store_path(
+    teacher: nn.Module, # the demo's teacher model
+    cache_dir, # the demo's cache
+    k: int, # support ids per teacher token
+) -> Path:
+    "Where the demo keeps `teacher`'s store at `k`: `teacher-store-<weights>-k<k>/` in the cache."
+    return Path(cache_dir) / f"teacher-store-{model_fingerprint(teacher)[:16]}-k{k}"
+
+def demo_teacher_store(
+    teacher: nn.Module, # the demo's teacher model, in eval mode
+    toks: DemoTokenizers, # the demo's tokenizers (the teacher side scores)
+    texts: Sequence[str], # the windows the run trains on (repeats are scored once)
+    cache_dir, # the demo's cache (the store goes to `demo_store_path` unless `path` is given)
+    *,
+    k: int = 64, # support ids kept per teacher token
+    path=None, # an explicit store directory: new, or one this teacher scored at this `k`
+    packing: SignalPacking = SignalPacking(), # how the shards keep the signals (`exact`: bit for bit)
+    progress: bool = True, # a progress bar over the windows scored
+) -> tuple[TeacherSignalDataset, int]:
+    "The store holding the teacher's signals of every one of `texts`, and how many windows this call scored (0: all were stored)."
+    path = Path(path) if path is not None else demo_store_path(teacher, cache_dir, k)
+    manifest = create_store(path, teacher_identity(teacher, toks.teacher, model_id="xtoken_dp demo teacher"), k=k, packing=packing)
+    stored = {h for shard in manifest["shards"] for h in shard["text_hashes"]}
+    todo = {}
+    for text in texts:
+        h = text_hash(text)
+        if h not in stored and h not in todo: todo[h] = text
+    hashes, windows = list(todo), list(todo.values())
+    with tqdm(total=len(windows), desc="teacher store", unit="window", disable=not progress, leave=False) as bar:
+        for start in range(0, len(windows), STORE_SHARD):
+            part = windows[start:start + STORE_SHARD]
+            signal = torch.cat([score_batch(teacher, toks.teacher, part[i:i + STORE_BATCH], k=k)
+                                for i in range(0, len(part), STORE_BATCH)])
+            manifest = append_shard(path, signal, hashes[start:start + len(part)], manifest=manifest)
+            bar.update(len(part))
+    return TeacherSignalDataset(path), len(windows)
