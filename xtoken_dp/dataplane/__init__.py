@@ -35,22 +35,27 @@ from .core import (DPShards, DataPlaneClient, DataPlaneError, DataPlaneOp, Field
                                       balanced_assignment, column_schema, concat_metas, empty_wire_batch, read_columns,
                                       rebuild_wire_batch, row_tokens, shard_balance, shard_meta_for_dp, tensor_nbytes,
                                       write_columns)
+from .tasks import (ClaimBook, ClaimTimeoutError, Lease, LeaseLostError, UnknownTaskError, claim_ids,
+                                       drain_task)
 
 # %% auto #0
 __all__ = ['ROW_FORMATS', 'default_storage_units', 'AttachError', 'column_row_bytes', 'column_from_row_bytes',
-           'TransferQueueDataPlane', 'build_data_plane_client', 'WorkerTask', 'scale_rows_task', 'run_task_file',
-           'spawn_worker', 'read_acks', 'DPShards', 'DataPlaneClient', 'DataPlaneError', 'DataPlaneOp',
-           'FieldSelectionError', 'InProcessDataPlane', 'KVBatchMeta', 'MissingFieldsError', 'MissingKeysError',
-           'OverwriteError', 'PartitionInfo', 'StaleReceiptError', 'StoredRow', 'UnknownPartitionError',
-           'balanced_assignment', 'column_schema', 'concat_metas', 'empty_wire_batch', 'read_columns',
-           'rebuild_wire_batch', 'row_tokens', 'shard_balance', 'shard_meta_for_dp', 'tensor_nbytes', 'write_columns']
+           'TransferQueueDataPlane', 'RemoteClaimBook', 'drop_claim_book', 'build_data_plane_client', 'WorkerTask',
+           'scale_rows_task', 'run_task_file', 'spawn_worker', 'read_acks', 'TaskConsumer', 'DPShards',
+           'DataPlaneClient', 'DataPlaneError', 'DataPlaneOp', 'FieldSelectionError', 'InProcessDataPlane',
+           'KVBatchMeta', 'MissingFieldsError', 'MissingKeysError', 'OverwriteError', 'PartitionInfo',
+           'StaleReceiptError', 'StoredRow', 'UnknownPartitionError', 'balanced_assignment', 'column_schema',
+           'concat_metas', 'empty_wire_batch', 'read_columns', 'rebuild_wire_batch', 'row_tokens', 'shard_balance',
+           'shard_meta_for_dp', 'tensor_nbytes', 'write_columns', 'ClaimBook', 'ClaimTimeoutError', 'Lease',
+           'LeaseLostError', 'UnknownTaskError', 'claim_ids', 'drain_task']
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #b02cc6f8
 _all_ = ["DPShards", "DataPlaneClient", "DataPlaneError", "DataPlaneOp", "FieldSelectionError", "InProcessDataPlane",
          "KVBatchMeta", "MissingFieldsError", "MissingKeysError", "OverwriteError", "PartitionInfo", "StaleReceiptError",
          "StoredRow", "UnknownPartitionError", "balanced_assignment", "column_schema", "concat_metas", "empty_wire_batch",
          "read_columns", "rebuild_wire_batch", "row_tokens", "shard_balance", "shard_meta_for_dp", "tensor_nbytes",
-         "write_columns"]
+         "write_columns", "ClaimBook", "ClaimTimeoutError", "Lease", "LeaseLostError", "UnknownTaskError", "claim_ids",
+         "drain_task"]
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #685c2c76
 def default_storage_units(cpus: int | None = None # CPUs available (None: this machine's)
@@ -218,7 +223,7 @@ class TransferQueueDataPlane(DataPlaneClient):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}: expected a number > 0, got {value!r}")
         if row_format not in ROW_FORMATS: raise ValueError(f"row_format: expected one of {ROW_FORMATS}, got {row_format!r}")
-        self.row_format, self._ready = row_format, None
+        self.row_format, self._ready, self._claims = row_format, None, None
         self.request_timeout_s, self.calls = float(request_timeout_s), ThreadPoolExecutor(1, thread_name_prefix="xtoken_dp-tq")
         self.attach_timeout_s = float(attach_timeout_s)
         self.ray, self.tq = _import_transfer_queue()
@@ -237,6 +242,7 @@ class TransferQueueDataPlane(DataPlaneClient):
             raise DataPlaneError("a TransferQueue controller already runs on this Ray: attach with bootstrap=False")
         if not self.bootstrap and not running:
             raise DataPlaneError("no TransferQueue controller runs on this Ray: the driver starts one with bootstrap=True")
+        if self.bootstrap: drop_claim_book(self.ray)   # a book left by a driver that died: its claims are of a store now gone
         self.tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": self.storage_units}}} if self.bootstrap else None)
         self.client = self.tq.get_client()
 
@@ -296,10 +302,54 @@ class TransferQueueDataPlane(DataPlaneClient):
 
     def _delete(self, partition_id, keys): self._call("kv_clear", self.tq.kv_clear, keys=list(keys), partition_id=partition_id)
 
+    def _ready_rows(self, partition_id, fields):
+        "Sample id -> user tags of the keys whose tags say every field in `fields` is written (one `kv_list`)."
+        listing = self._call("kv_list", self.tq.kv_list, partition_id=partition_id).get(partition_id, {})
+        codes = [_SPEC_TAG + f for f in fields]
+        return {k: {n: v for n, v in tags.items() if not n.startswith("_xdp:")}
+                for k, tags in listing.items() if all(c in tags for c in codes)}
+
+    def _claim_book(self):
+        if self._claims is None: self._claims = RemoteClaimBook(self.ray, self.request_timeout_s)
+        return self._claims
+
     def _close(self):
         self.calls.shutdown(wait=False)
-        if self.bootstrap: self.tq.close()
+        if self.bootstrap: drop_claim_book(self.ray); self.tq.close()
         if self.owns_ray: self.ray.shutdown()
+
+# %% ../../nbs/02f_dataplane_tq.ipynb #b515930e
+_CLAIMS_ACTOR, _CLAIMS_NAMESPACE = "xtoken_dp_claims", "xtoken_dp"
+
+
+class RemoteClaimBook:
+    "The `ClaimBook` of a TransferQueue store: one named, detached Ray actor that every client of the store calls."
+
+    def __init__(self, ray, # the connected `ray` module
+                 timeout_s: float, # the longest one call may take
+                ):
+        self.ray, self.timeout_s = ray, timeout_s
+        actor = ray.remote(num_cpus=0, max_concurrency=1)(ClaimBook)
+        self.actor = actor.options(name=_CLAIMS_ACTOR, namespace=_CLAIMS_NAMESPACE, lifetime="detached", get_if_exists=True).remote()
+
+    def _ask(self, method: str, *args, **kwargs):
+        try: return self.ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout_s)
+        except (self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError) as e:
+            raise DataPlaneError(f"the claim book ({_CLAIMS_ACTOR!r} in Ray namespace {_CLAIMS_NAMESPACE!r}) did not answer "
+                                 f"{method} within {self.timeout_s:g} s: {type(e).__name__}: {e}") from None
+
+    def declare(self, *args, **kwargs): return self._ask("declare", *args, **kwargs)
+    def claim(self, *args, **kwargs): return self._ask("claim", *args, **kwargs)
+    def ack(self, *args, **kwargs): return self._ask("ack", *args, **kwargs)
+    def release(self, *args, **kwargs): return self._ask("release", *args, **kwargs)
+    def report(self, *args, **kwargs): return self._ask("report", *args, **kwargs)
+
+
+def drop_claim_book(ray) -> bool:
+    "End the store's claim-book actor if one runs on this Ray; whether one did."
+    try: ray.kill(ray.get_actor(_CLAIMS_ACTOR, namespace=_CLAIMS_NAMESPACE))
+    except ValueError: return False
+    return True
 
 # %% ../../nbs/02f_dataplane_tq.ipynb #9b3d0f2f
 _NEMO_UNUSED = ("storage_capacity", "global_segment_size", "local_buffer_size", "ack_timeout_ms")
@@ -407,3 +457,30 @@ def read_acks(workdir: str | Path) -> list[KVBatchMeta]:
     "The receipts a worker acknowledged, in chunk order."
     files = sorted(Path(workdir).glob("ack_*.pkl"), key=lambda p: int(p.stem.split("_")[1]))
     return [pickle.loads(p.read_bytes()) for p in files]
+
+# %% ../../nbs/02f_dataplane_tq.ipynb #9fb2120c
+class TaskConsumer:
+    "A consumer task in its own process (`ray.remote(TaskConsumer)`): attaches to the running store, claims, reads, acknowledges."
+
+    def __init__(self, owner: str, # the name its claims carry
+                 **kwargs, # `TransferQueueDataPlane` options (bootstrap is False)
+                ):
+        self.owner, self.plane = owner, TransferQueueDataPlane(bootstrap=False, **kwargs)
+
+    def register(self, partition_id: str, **declaration) -> None:
+        "Declare the partition to this consumer's client (`register_partition`'s arguments)."
+        self.plane.register_partition(partition_id, **declaration)
+
+    def claim(self, partition_id: str, task_name: str, required_fields: Sequence[str], batch_size: int, **kwargs) -> KVBatchMeta:
+        "One `claim_meta` under this consumer's owner name."
+        return self.plane.claim_meta(partition_id, task_name, required_fields, batch_size, owner=self.owner, **kwargs)
+
+    def ack(self, meta: KVBatchMeta) -> int:
+        "`ack_meta` of a receipt this consumer claimed."
+        return self.plane.ack_meta(meta)
+
+    def drain(self, partition_id: str, task_name: str, required_fields: Sequence[str], batch_size: int, **kwargs) -> list[str]:
+        "`drain_task` under this consumer's owner name: the sample ids it consumed."
+        return drain_task(self.plane, partition_id, task_name, required_fields, batch_size, owner=self.owner, **kwargs)
+
+    def close(self) -> None: self.plane.close()

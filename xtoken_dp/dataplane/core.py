@@ -655,6 +655,9 @@ class DataPlaneClient(abc.ABC):
         "True when the store knows the partition (an adapter that cannot tell says True)."
         return True
 
+    def _partition_registered(self, info: PartitionInfo) -> None:
+        "Called by `register_partition` with the new declaration (the task-mediated calls keep what they need of it)."
+
     def _partition_known(self, partition_id: str) -> bool:
         return partition_id in self.partitions or self._has_partition(partition_id)
 
@@ -683,6 +686,7 @@ def register_partition(self: DataPlaneClient, partition_id: str, # a non-empty n
         _tuple_or_none("consumer_tasks", consumer_tasks) or (),
         None if grpo_group_size is None else check_int("grpo_group_size", grpo_group_size, minimum=1),
         {str(k): _tuple_or_none(f"enums[{k!r}]", v) for k, v in (enums or {}).items()})
+    self._partition_registered(self.partitions[partition_id])
 
 
 def _wire_lengths(td: TensorDictBase, schema: Schema) -> dict[str, tuple[int, ...]]:
