@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 from fastcore.basics import patch
 from tensordict import TensorDict
