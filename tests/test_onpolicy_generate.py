@@ -15,7 +15,8 @@ from xtoken_dp.aligner import TokenAligner, shift_chunk_ids
 from xtoken_dp.distill import GPTConfig, TinyGPT
 from xtoken_dp.losses import chunk_buckets, valid_chunk_mask
 from xtoken_dp.onpolicy.generate import (HFSampler, Sampler, SamplingParams, TorchSampler, align_completions,
-                                         collate_completions, completions_from_ids, generate_completions)
+                                         chat_prompt_spans, collate_completions, completions_from_ids,
+                                         generate_completions)
 from xtoken_dp.schema import AlignmentBatch
 from xtoken_dp.tokenizers import load_tokenizer, piece_bytes_table, train_toy_tokenizer
 
@@ -241,3 +242,51 @@ def test_any_sampler_plugs_in_and_its_rows_are_checked():
         generate_completions(None, t, ["Hi", "Yo"], max_new_tokens=4, seed=1, sampler=lambda p, s: [[1]])
     assert isinstance(TorchSampler(torch.nn.Linear(2, 2), ctx_len=4), Sampler) and isinstance(HFSampler(None), Sampler)
     assert SamplingParams(max_new_tokens=1).top_k is None
+
+
+# ---------------------------------------------------------------- chat mode
+
+CONVERSATIONS = [[{"role": "user", "content": "What is 6 times 7?"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wave at me 👋"}]]
+
+
+@pytest.mark.parametrize("student,teacher", [(("qwen2", "chatml"), ("mistral_spm", "mistral_inst")),
+                                             (("mistral_spm", "mistral_inst"), ("qwen2", "chatml"))], ids=["chatml-inst", "inst-chatml"])
+def test_chat_mode_aligns_only_the_completion_and_pairs_the_closing_specials(student, teacher):
+    s, t = load_tokenizer(student[0], chat_template=student[1]), load_tokenizer(teacher[0], chat_template=teacher[1])
+    closing = s.convert_tokens_to_ids("<|im_end|>") if student[1] == "chatml" else s.eos_token_id
+    answers = ["It is 42.", "👋 Hi!"]
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(len(s), ctx_len=64, n_layer=1, d_model=16, n_head=2))
+    sampled = generate_completions(model, s, CONVERSATIONS, max_new_tokens=3, seed=0)
+    for c, conv in zip(sampled, CONVERSATIONS):   # the prompt is the student's own rendering
+        rendering = s.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        assert c.prompt_ids.tolist() == s(rendering, add_special_tokens=False)["input_ids"] and c.messages == conv
+    texts, spans = chat_prompt_spans(s, CONVERSATIONS)
+    rows = completions_from_ids(s, texts, [s.encode(a, add_special_tokens=False) + [closing] for a in answers],
+                                spans=spans, messages=CONVERSATIONS)
+    lead = " " if student[0] == "mistral_spm" else ""   # SentencePiece's "▁It": a word-initial piece
+    assert [r.completion_bytes for r in rows] == [(lead + a).encode() for a in answers]
+    aligned = align_completions(rows, TokenAligner(s, t))
+    batch = collate_completions(rows, TokenAligner(s, t))
+    alignment = AlignmentBatch.from_flat(batch, prefix="alignment_0_").validate()
+    for b, (c, r, conv) in enumerate(zip(rows, aligned, CONVERSATIONS)):
+        t_rendering = t(t.apply_chat_template(conv, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        assert r.teacher_ids[:r.teacher_offset].tolist() == t_rendering          # the teacher's own rendering
+        s_chunk, t_chunk = r.chunk_ids()
+        assert (s_chunk[:len(c.prompt_ids)] == -1).all() and (t_chunk[:r.teacher_offset] == -1).all()
+        assert r.loss_chunk.all() and (s_chunk[len(c.prompt_ids):] >= 0).all() and (t_chunk[r.teacher_offset:] >= 0).all()
+        assert s_chunk[-1] == t_chunk[-1] and r.sample.chunk_kind[-1] == 3    # the closing specials pair
+        content = r.sample.teacher.role == 0                                  # the teacher spells the completion's bytes
+        tail = c.completion_bytes
+        assert b"".join(tail[a:z] for a, z in zip(r.sample.teacher.start[content], r.sample.teacher.end[content])) == tail
+        assert batch["teacher_0_token_mask"][b].sum() == len(r.teacher_ids) - r.teacher_offset
+        assert int(alignment.num_chunks[b]) == r.sample.num_chunks
+
+
+def test_prompts_are_all_text_or_all_conversations():
+    s = load_tokenizer("qwen2", chat_template="chatml")
+    with pytest.raises(TypeError, match="a mix"):
+        generate_completions(None, s, ["Hi", CONVERSATIONS[0]], max_new_tokens=2, seed=0, sampler=lambda p, q: [[1]] * 2)
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[0\]: expected a dict with str 'role' and 'content'"):
+        generate_completions(None, s, [[{"role": "user"}]], max_new_tokens=2, seed=0, sampler=lambda p, q: [[1]])
