@@ -229,12 +229,20 @@ def _demo_parser() -> CommandLineParser:
                         "600 steps, written as demo_report.json/.md")
     p.add_argument("--seeds", type=_positive_int, help="number of student seeds (0..N-1)")
     p.add_argument("--steps", type=_positive_int, help="student steps per arm (equal for every arm)")
-    p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)})")
+    p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)}; ARM:cached reads the teacher store)")
     p.add_argument("--kd-weight", action="append", default=[], metavar="ARM=W", help="override an arm's KD weight (repeatable)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads of the run, split over --dp processes (default 2, or torch's thread count if lower)")
     p.add_argument("--dp", type=int, choices=(1, 2), default=2, help="data-parallel gloo processes per student (default 2)")
     p.add_argument("--via-ipc", action="store_true", help="route teacher logits through xtoken_dp.ipc (shared memory)")
+    p.add_argument("--teacher", choices=("live", "cached"), default="live",
+                   help="live: KD arms run the teacher at every step; cached: they read its top-k signals from a store "
+                        "scored once (an arm named ARM:cached reads the store whatever this says)")
+    p.add_argument("--teacher-k", type=_positive_int, default=64, help="top-k ids per teacher token in the store (default 64)")
+    p.add_argument("--teacher-store", help="the teacher store's folder (default CACHE/teacher-store-<weights>-k<K>; a store "
+                                           "another run began is extended with the windows it lacks)")
+    p.add_argument("--student-tokenizer", choices=("unigram", "bpe"), default="unigram",
+                   help="the student's tokenizer: unigram (the demo's) or bpe (a second student, e.g. from the same store)")
     p.add_argument("--sequential", action="store_true", help="train the arms one model at a time instead of as one stack")
     p.add_argument("--out", default="demo_out", help="output folder (default demo_out)")
     p.add_argument("--report-dir", help="--preset full: where demo_report.json and demo_report.md go (default OUT)")
@@ -248,9 +256,10 @@ def _arm_names(text: str) -> tuple[str, ...]:
     "The arm names of a comma-separated `--arms` value; an unknown or missing name is a usage error."
     from xtoken_dp.distill import ARMS
     arms = tuple(a.strip() for a in text.split(",") if a.strip())
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arms if a.removesuffix(":cached") not in ARMS]
     if unknown or not arms:
-        raise UsageError(f"--arms: unknown arm(s) {', '.join(map(repr, unknown)) or '(none given)'}; valid arms: {', '.join(ARMS)}")
+        raise UsageError(f"--arms: unknown arm(s) {', '.join(map(repr, unknown)) or '(none given)'}; valid arms: {', '.join(ARMS)} "
+                         "(each KD arm also as ARM:cached)")
     return arms
 
 
@@ -280,6 +289,8 @@ def _demo_config(args):
     try:
         return DemoConfig(corpus=args.corpus, preset=args.preset, arms=arms, kd_weights=weights, threads=args.threads,
                           dp=args.dp, via_ipc=args.via_ipc, batched=not args.sequential, out_dir=args.out,
+                          teacher=args.teacher, teacher_k=args.teacher_k, teacher_store=args.teacher_store,
+                          student_tokenizer=args.student_tokenizer,
                           cache_dir=args.cache_dir, no_cache=args.no_cache, progress=not args.no_progress, **overrides)
     except ValueError as e: raise UsageError(str(e)) from None
 

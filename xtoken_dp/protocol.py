@@ -13,13 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 import numpy as np
-from .distill import (ARMS, BASE_ARMS, DEMO_TUNING_PATH, ArmSpec, DemoConfig, make_eval_set,
+from .distill import (ARMS, BASE_ARMS, CACHED, DEMO_TUNING_PATH, ArmSpec, DemoConfig, make_eval_set,
                                prepare_demo, run_demo, train_arms)
 
 # %% auto #0
 __all__ = ['FACTORS', 'COMMON_FACTORS', 'DIRECTION_FACTORS', 'FACTOR_STUDIES', 'TuningPlan', 'trial_arm', 'score_trials',
            'next_trials', 'tuning_windows', 'tune_demo', 'write_tuning', 'paired_interval', 'full_report',
-           'report_markdown', 'run_full_report', 'factor_study']
+           'report_markdown', 'cached_section', 'cached_markdown', 'run_cached_report', 'run_full_report',
+           'factor_study']
 
 # %% ../nbs/10b_protocol.ipynb #5e031cd8
 _REPORT_SEEDS = range(5)  # seeds the reports use; tuning must not
@@ -234,7 +235,80 @@ def report_markdown(
     lines.append(f"Ahead of CE in mean BPB at every budget: {', '.join(f'`{n}`' for n in s['ahead_at_every_budget']) or 'none'} "
                  f"({len(s['ahead_at_every_budget'])} of {len(s['kd_arms'])} KD arms). 95% interval below zero at every budget: "
                  f"{', '.join(f'`{n}`' for n in s['beats_ce_at_every_budget']) or 'none'} ({len(s['beats_ce_at_every_budget'])}).")
+    if "cached" in report: lines += [""] + cached_markdown(report["cached"])
     return "\n".join(lines) + "\n"
+
+# %% ../nbs/10b_protocol.ipynb #ce7e3450
+def cached_section(
+    report: dict, # `full_report`'s output (or the committed report), holding the live arms at `steps`
+    results: dict, # the `results.json` of a run with `ce` and `<arm>:cached` arms on the report's seeds and windows
+    *,
+    steps: int, # the budget both ran at
+    tol: float = 1e-5, # how far the run's `ce` BPB may be from the report's, per seed (summation order moves the last digits)
+) -> dict:
+    "The cached arms beside their live twins: per arm and seed both BPBs, and the paired Δ cached − live and cached − CE with 95% intervals."
+    budget = report["budgets"][str(steps)]
+    ce = budget["arms"]["ce"]["bpb"]
+    rerun = {k: s["final_bpb"] for k, s in results["arms"]["ce"]["seeds"].items()}
+    if set(rerun) != set(ce) or any(abs(rerun[k] - ce[k]) > tol for k in ce):
+        raise ValueError(f"results: its ce BPB per seed {rerun} differs from the report's {ce} at {steps} steps, so the runs did not "
+                         "share their seeds, windows and initialisations")
+    arms = {}
+    for name, arm in results["arms"].items():
+        if arm.get("teacher") != "cached": continue
+        base = name.removesuffix(CACHED)
+        live, cached = budget["arms"][base]["bpb"], {k: s["final_bpb"] for k, s in arm["seeds"].items()}
+        vs_live = paired_interval([cached[s] - live[s] for s in ce])
+        vs_ce = paired_interval([cached[s] - ce[s] for s in ce])
+        arms[base] = dict(mode=arm["mode"], weight=arm["weight"], options=arm["options"], live=live, cached=cached,
+                          vs_live=vs_live, vs_ce=vs_ce, verdict=_verdict(vs_ce),
+                          within_noise=vs_live["lo"] is not None and vs_live["lo"] <= 0 <= vs_live["hi"])
+    store = results.get("teacher_store") or {}
+    return dict(steps=steps, seeds=len(ce), k=store.get("k"), bytes_per_token=store.get("bytes_per_token"),
+                store_windows=store.get("stored_windows"), ce_max_diff=max(abs(rerun[k] - ce[k]) for k in ce), arms=arms)
+
+def cached_markdown(section: dict) -> list[str]:
+    "The cached section's lines: one row per cached arm, then which arms stay within the seeds' noise of their live twin."
+    lines = [f"**Teacher read from the store** (top-{section['k']}, {section['bytes_per_token']:.0f} bytes per teacher token; "
+             f"{section['steps']} student steps, the same {section['seeds']} seeds, windows and initialisations as above: `ce` "
+             f"retrained beside the cached arms lands within {section['ce_max_diff']:.1e} BPB of the table's on every seed)", "",
+             "| arm | live BPB | cached BPB | cached − live, mean [95% interval] | cached Δ vs CE [95% interval] | verdict |",
+             "|---|---|---|---|---|---|"]
+    for name, a in section["arms"].items():
+        lines.append(f"| {name}:cached | {np.mean(list(a['live'].values())):.3f} | {np.mean(list(a['cached'].values())):.3f} | "
+                     f"{_fmt_ci(a['vs_live'])} | {_fmt_ci(a['vs_ce'])} | {a['verdict']} |")
+    inside = [n for n, a in section["arms"].items() if a["within_noise"]]
+    outside = [n for n in section["arms"] if n not in inside]
+    lines += ["", f"Within the seeds' noise of the live teacher (interval of cached − live holds 0): "
+                  f"{', '.join(f'`{n}`' for n in inside) or 'none'}; outside it: {', '.join(f'`{n}`' for n in outside) or 'none'}."]
+    return lines
+
+def _cached_results(report: dict, steps: int, k: int, arms, out_dir, cache_dir, progress: bool) -> dict:
+    "The `results.json` of `ce` and the cached twins of `arms` (None: every KD arm) on the report's seeds and windows at `steps`."
+    budget = report["budgets"][str(steps)]
+    arms = [n for n, a in budget["arms"].items() if a["mode"] != "ce"] if arms is None else list(arms)
+    config = DemoConfig(seeds=budget["seeds"], student_steps=steps, arms=("ce", *(a + CACHED for a in arms)),
+                        eval_windows=budget["eval_windows"], teacher_k=k, out_dir=f"{out_dir}/cached{steps}",
+                        cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False)
+    return run_demo(config).results
+
+def run_cached_report(
+    *,
+    report_dir=".", # where demo_report.json (with the live arms) is read and the report is written back
+    steps: int = 300, # the budget of the cached arms (one of the report's)
+    k: int = 64, # top-k ids per teacher token in the store
+    arms: Sequence[str] | None = None, # the KD arms to rerun cached (None: every KD arm of the report at `steps`)
+    out_dir="demo_full", # the run's outputs go to out_dir/cached<steps>
+    cache_dir=None, # the demo's cache; `out_dir/cache` by default
+    progress: bool = True, # progress bars
+) -> dict:
+    "Train `ce` and the cached twins of the report's KD arms on its seeds, add the cached section, rewrite the report."
+    path = Path(report_dir) / "demo_report.json"
+    report = json.loads(path.read_text())
+    report["cached"] = cached_section(report, _cached_results(report, steps, k, arms, out_dir, cache_dir, progress), steps=steps)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    (Path(report_dir) / "demo_report.md").write_text(report_markdown(report))
+    return report
 
 # %% ../nbs/10b_protocol.ipynb #1c0979bd
 def run_full_report(
@@ -246,6 +320,7 @@ def run_full_report(
     cache_dir=None, # the demo's cache; `out_dir/cache` by default
     report_dir=".", # where demo_report.json and demo_report.md are written
     progress: bool = True, # progress bars
+    cached_k: int | None = 64, # also train every KD arm from the teacher store at this top-k, at the first budget (None: not)
 ) -> dict:
     "Run the demo at every budget and write the full report (JSON and markdown); returns the report."
     runs = {}
@@ -254,6 +329,10 @@ def run_full_report(
                             cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False)
         runs[steps] = run_demo(config).results
     report = dict(full_report(runs), tuning=runs[budgets[0]].get("tuning"))
+    if cached_k is not None:
+        kd = [a for a in arms if ARMS[a].mode != "ce"]
+        cached = _cached_results(report, budgets[0], cached_k, kd, out_dir, cache_dir, progress)
+        report["cached"] = cached_section(report, cached, steps=budgets[0])
     Path(report_dir).mkdir(parents=True, exist_ok=True)
     (Path(report_dir) / "demo_report.json").write_text(json.dumps(report, indent=1) + "\n")
     (Path(report_dir) / "demo_report.md").write_text(report_markdown(report))

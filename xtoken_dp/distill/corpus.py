@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from ..tokenizers import piece_bytes_table, stdlib_source_files
 
 # %% auto #0
-__all__ = ['TOKENIZER_RECIPE', 'Corpus', 'load_corpus', 'DemoTokenizers', 'print_warning', 'train_tokenizers']
+__all__ = ['TOKENIZER_RECIPE', 'STUDENT_RECIPES', 'Corpus', 'load_corpus', 'DemoTokenizers', 'print_warning', 'train_tokenizers']
 
 # %% ../../nbs/101_distill_corpus.ipynb #54be6703
 _BLOCK_BYTES = 64 * 1024  # block size of a user corpus (`--corpus FILE`)
@@ -144,6 +144,10 @@ TOKENIZER_RECIPE = dict(  # every setting of the two tokenizers; part of their c
                  pre_tokenizer=f"Metaspace({_METASPACE!r}, prepend_scheme='never')", decoder="Metaspace",
                  initial_alphabet="every character of the training text",
                  order=f"specials first, then by score rounded to {_SCORE_DIGITS} decimals (descending) and piece"))
+STUDENT_RECIPES = dict(  # the student tokenizers a run may train: the demo's Unigram, and a second student for the teacher store
+    unigram=TOKENIZER_RECIPE["student"],
+    bpe=dict(model="BPE", vocab_size=_STUDENT_VOCAB_SIZE, data=f"first {_STUDENT_SAMPLE_BYTES} bytes of the odd-indexed training parts",
+             pre_tokenizer="ByteLevel(add_prefix_space=False)", decoder="ByteLevel"))
 
 def _add_start_marker(backend: Tokenizer) -> Tokenizer:
     backend.post_processor = processors.TemplateProcessing(
@@ -192,6 +196,19 @@ def _build_student_tokenizer(
     backend.train_from_iterator(list(texts), trainer=trainer)
     return _add_start_marker(_canonical_unigram(backend, n_specials=3))
 
+def _build_student_bpe(
+    texts: Sequence[str], # training texts
+    vocab_size: int = _STUDENT_VOCAB_SIZE, # the vocabulary size, specials included
+) -> Tokenizer:
+    "The second student's byte-level BPE: no digit splitting (unlike the teacher's), its own merges, the start marker."
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(list(texts), trainer=trainer)
+    return _add_start_marker(backend)
+
 def _canonical_unigram(
     backend: Tokenizer, # a trained Unigram tokenizer whose specials are its first ids
     n_specials: int, # how many
@@ -227,6 +244,10 @@ def _content_bytes(tok) -> set[bytes]:
     return {b for b in piece_bytes_table(tok) if b is not None}
 
 # %% ../../nbs/101_distill_corpus.ipynb #6db5d211
+def _whole_utf8(b: bytes) -> bool:
+    try: b.decode("utf-8"); return True
+    except UnicodeDecodeError: return False
+
 def _tokenizer_stats(
     teacher: PreTrainedTokenizerFast, # the teacher tokenizer
     student: PreTrainedTokenizerFast, # the student tokenizer
@@ -235,7 +256,8 @@ def _tokenizer_stats(
     "Vocabulary overlap on canonical bytes, student tokens re-encoded by the teacher, held-out bytes per token."
     teacher_bytes, student_bytes = _content_bytes(teacher), _content_bytes(student)
     shared = teacher_bytes & student_bytes
-    student_texts = sorted(b.decode("utf-8") for b in student_bytes)
+    # a byte-level student has tokens that are part of a character: only whole-character tokens are spelled by the teacher
+    student_texts = sorted(b.decode("utf-8") for b in student_bytes if _whole_utf8(b))
     pieces = [len(ids) for ids in teacher(student_texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
     heldout_nbytes = sum(len(p.encode("utf-8")) for p in heldout_parts)
     def n_tokens(tok): return sum(map(len, tok(list(heldout_parts), add_special_tokens=False, split_special_tokens=True)["input_ids"]))
@@ -261,9 +283,10 @@ class DemoTokenizers:
         return (f"DemoTokenizers(teacher {len(self.teacher)} {self.fingerprints['teacher'][:10]}…, student "
                 f"{len(self.student)} {self.fingerprints['student'][:10]}…, cached={self.cached})")
 
-def _tokenizers_key(corpus: Corpus) -> str:
+def _tokenizers_key(corpus: Corpus, student: str = "unigram") -> str:
     minor = ".".join(tokenizers.__version__.split(".")[:2])
-    blob = json.dumps(dict(corpus=corpus.stats["sha256"], recipe=TOKENIZER_RECIPE, tokenizers=minor), sort_keys=True)
+    extra = {} if student == "unigram" else dict(student=STUDENT_RECIPES[student])  # the demo's entry keeps its key
+    blob = json.dumps(dict(corpus=corpus.stats["sha256"], recipe=TOKENIZER_RECIPE, tokenizers=minor, **extra), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 def _replace_dir(tmp: Path, folder: Path) -> None:
@@ -296,9 +319,11 @@ def train_tokenizers(
     *,
     no_cache: bool = False, # retrain even when an entry exists (and replace it)
     warn: Callable[[str], None] = print_warning, # where warnings go
+    student: str = "unigram", # the student's recipe (`STUDENT_RECIPES`): "unigram" (the demo's) or "bpe"
 ) -> DemoTokenizers:
     "The demo's teacher and student tokenizers, trained once per corpus and recipe, then loaded from the cache."
-    folder = Path(cache_dir) / f"tokenizers-{_tokenizers_key(corpus)}"
+    if student not in STUDENT_RECIPES: raise ValueError(f"student: expected one of {', '.join(STUDENT_RECIPES)}, got {student!r}")
+    folder = Path(cache_dir) / f"tokenizers-{_tokenizers_key(corpus, student)}"
     if not no_cache and folder.is_dir():
         loaded = _load_tokenizers_entry(folder, warn)
         if loaded is not None: return loaded
@@ -307,7 +332,9 @@ def train_tokenizers(
     teacher = _build_teacher_tokenizer(corpus.train_parts[0::2])
     teacher_s = time.perf_counter() - start
     start = time.perf_counter()
-    student = _build_student_tokenizer(_student_sample(corpus.train_parts[1::2]), corpus.train_text)
+    sample = _student_sample(corpus.train_parts[1::2])
+    recipe_name, student = student, (_build_student_tokenizer(sample, corpus.train_text) if student == "unigram"
+                                     else _build_student_bpe(sample))
     student_s = time.perf_counter() - start
     texts = {"teacher": teacher.to_str(), "student": student.to_str()}
     fingerprints = {side: _json_fingerprint(text) for side, text in texts.items()}
@@ -319,7 +346,8 @@ def train_tokenizers(
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{time.time_ns()}")
     tmp.mkdir()
     for side, text in texts.items(): (tmp / f"{side}.json").write_text(text)
-    meta = dict(fingerprints=fingerprints, stats=stats, recipe=TOKENIZER_RECIPE, corpus_sha256=corpus.stats["sha256"],
+    recipe = dict(TOKENIZER_RECIPE, student=STUDENT_RECIPES[recipe_name])
+    meta = dict(fingerprints=fingerprints, stats=stats, recipe=recipe, corpus_sha256=corpus.stats["sha256"],
                 tokenizers_version=tokenizers.__version__)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _replace_dir(tmp, folder)

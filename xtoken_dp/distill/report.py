@@ -17,7 +17,7 @@ import tokenizers
 import torch
 import transformers
 from ..viz import plot_learning_curves
-from .corpus import TOKENIZER_RECIPE
+from .corpus import STUDENT_RECIPES, TOKENIZER_RECIPE
 from .model import TrainConfig, student_config
 from .arms import ARMS, load_tuning
 
@@ -81,6 +81,7 @@ def _mode_text(arm: dict) -> str:
     parts = [f"{'τ' if k == 'alm_tau' else k.replace('_', ' ')}={v:g}" if isinstance(v, float) else
              (k.replace("_", " ") if v is True else f"{k.replace('_', ' ')}={v}") for k, v in shown.items()]
     if arm["mode"] != "ce" and arm["weight"] != 1.0: parts.append(f"weight {arm['weight']:g}")
+    if arm.get("teacher") == "cached": parts.append(f"teacher store, k={arm['teacher_k']}")
     return arm["mode"] + (f" ({', '.join(parts)})" if parts else "")
 
 def _report_table(results: dict) -> list[str]:
@@ -185,11 +186,13 @@ def build_results(config, arms, corpus, toks, eval_set, curve_set, alignment, pr
                                     step_s=run.step_s, eval_s=run.eval_s, grad_ratio=run.grad_ratio)
         arm_results[a.name] = dict(mode=a.mode, label=a.label, weight=a.weight, options=a.options,
                                    weight_overridden=a.name in config.kd_weights, seeds=seeds)
+        if a.teacher == "cached": arm_results[a.name].update(teacher="cached", teacher_k=config.teacher_k)
     summarise_arms(arm_results)
     report = projection.report
     results = dict(
         config=asdict(config), environment=_environment(config.threads), corpus=corpus.stats,
-        tokenizers=dict(fingerprints=toks.fingerprints, stats=toks.stats, cached=toks.cached, recipe=TOKENIZER_RECIPE),
+        tokenizers=dict(fingerprints=toks.fingerprints, stats=toks.stats, cached=toks.cached,
+                        recipe=dict(TOKENIZER_RECIPE, student=STUDENT_RECIPES[config.student_tokenizer])),
         eval_windows=dict(eval_set.stats, curve=len(curve_set)), alignment=alignment,
         projection=dict(file=projection.path.name, cached=projection.cached, build_s=projection.build_s,
                         exact_map=projection.exact_map, top_k=report["top_k"],

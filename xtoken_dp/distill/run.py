@@ -8,7 +8,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/distill_run.html.md"""
 
 # %% ../../nbs/107_distill_run.ipynb #9ca819a6
 from __future__ import annotations
-import json, math, os, pickle, socket, subprocess, sys, tempfile, time
+import dataclasses, json, math, os, pickle, socket, subprocess, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,12 +16,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ..losses import set_dp_group
-from .corpus import Corpus, DemoTokenizers, load_corpus, train_tokenizers
+from ..teacher_store import TeacherSignalDataset
+from .corpus import STUDENT_RECIPES, Corpus, DemoTokenizers, load_corpus, train_tokenizers
 from .windows import (CURVE_WINDOWS, EVAL_WINDOWS, STUDENT_CTX, TEACHER_CTX, EvalSet, StepBatcher,
                                        alignment_checks, make_eval_set, plan_windows)
 from .model import TinyGPT, TrainConfig, bits_per_byte, student_config
-from .teacher import DemoProjection, TeacherRun, demo_projection, train_teacher
-from .arms import ARMS, DEFAULT_ARMS, ArmSpec, StudentRun, resolve_arms, train_student
+from .teacher import DemoProjection, TeacherRun, demo_projection, demo_teacher_store, train_teacher
+from .arms import ARMS, CACHED, DEFAULT_ARMS, ArmSpec, StudentRun, cached_arm, resolve_arms, train_student
 from .report import build_results, format_timings, render_report, write_outputs
 
 # %% auto #0
@@ -48,6 +49,10 @@ class DemoConfig:
     threads: int | None = None # CPU threads of the run, split over the data-parallel processes (None: 2, or torch's count if lower)
     dp: int = 2 # data-parallel processes per student (1 or 2)
     via_ipc: bool = False # route teacher logits through `xtoken_dp.ipc` shared memory
+    teacher: str = "live" # "live": KD arms run the teacher at each step; "cached": they read its top-k signals from a store scored once
+    teacher_k: int = 64 # support ids kept per teacher token in the store (cached arms)
+    teacher_store: str | None = None # the store's directory (None: `teacher-store-<weights>-k<k>/` in the cache)
+    student_tokenizer: str = "unigram" # the student tokenizer's recipe: "unigram" (the demo's) or "bpe" (a second student)
     batched: bool = True # train the arms of a seed as one `ArmStack`
     out_dir: str = "demo_out" # output folder
     cache_dir: str | None = None # tokenizer, teacher and projection cache; `out_dir/cache` by default
@@ -65,15 +70,18 @@ class DemoConfig:
         if self.threads is None: self.threads = min(2, torch.get_num_threads())  # OMP_NUM_THREADS=1 gives one
         if isinstance(self.arms, str): self.arms = tuple(a.strip() for a in self.arms.split(",") if a.strip())
         self.arms = tuple(self.arms)
-        for name in ("seeds", "student_steps", "teacher_steps", "eval_windows", "threads", "curve_every", "curve_windows"):
+        if self.teacher not in ("live", "cached"): raise ValueError(f"teacher: expected 'live' or 'cached', got {self.teacher!r}")
+        if self.student_tokenizer not in STUDENT_RECIPES:
+            raise ValueError(f"student_tokenizer: expected one of {', '.join(STUDENT_RECIPES)}, got {self.student_tokenizer!r}")
+        for name in ("seeds", "student_steps", "teacher_steps", "eval_windows", "threads", "curve_every", "curve_windows", "teacher_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if not isinstance(self.seed_offset, int) or self.seed_offset < 0:
             raise ValueError(f"seed_offset: expected an integer >= 0, got {self.seed_offset!r}")
-        resolve_arms(self.arms)
+        self.arm_specs()  # names known, distinct (also once the cached option renames the KD arms)
         for arm, weight in self.kd_weights.items():
-            if arm not in ARMS: raise ValueError(f"kd_weights: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")
+            if arm.removesuffix(CACHED) not in ARMS: raise ValueError(f"kd_weights: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")
             if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
                 raise ValueError(f"kd_weights: expected a finite weight >= 0 for {arm!r}, got {weight!r}")
         if self.dp not in (1, 2): raise ValueError(f"dp: expected 1 or 2, got {self.dp!r}")
@@ -90,7 +98,9 @@ class DemoConfig:
     def arm_specs(self) -> list[ArmSpec]:
         "The arms of the run with the KD-weight overrides applied."
         specs = resolve_arms(self.arms)
-        return [ArmSpec(a.name, a.mode, a.options, float(self.kd_weights.get(a.name, a.weight)), a.label) for a in specs]
+        if self.teacher == "cached": specs = resolve_arms([a if a.mode == "ce" else cached_arm(a) for a in specs])
+        weight = lambda a: self.kd_weights.get(a.name, self.kd_weights.get(a.name.removesuffix(CACHED), a.weight))
+        return [dataclasses.replace(a, weight=float(weight(a))) for a in specs]
 
 # %% ../../nbs/107_distill_run.ipynb #bc443002
 class _RunLog:
@@ -126,6 +136,20 @@ class DemoResult:
         return {n: [s["final_bpb"] for s in a["seeds"].values()] for n, a in self.results["arms"].items()}
 
 # %% ../../nbs/107_distill_run.ipynb #b20456df
+def _job_store(config, arms, plans: dict, toks, teacher, log, timings) -> dict | None:
+    "The run's teacher store when an arm is cached: every window of every seed scored once (only those it lacks)."
+    if not any(a.teacher == "cached" for a in arms): return None
+    start, texts = time.perf_counter(), [w for plan in plans.values() for step in plan.windows for w in step]
+    store, scored = demo_teacher_store(teacher, toks, texts, config.cache_path, k=config.teacher_k, path=config.teacher_store,
+                                       progress=config.progress)
+    timings["teacher store"] = time.perf_counter() - start
+    info = dict(path=str(store.path), k=store.k, packing=store.packing.kind, windows=len(set(texts)), stored_windows=len(store),
+                scored_now=scored, stored_tokens=store.num_tokens, bytes_per_token=store.bytes_per_token(),
+                seconds=timings["teacher store"])
+    log(f"teacher store: {store!r}; {scored} of the run's {info['windows']} windows scored now, "
+        f"{info['bytes_per_token']:.0f} bytes per teacher token")
+    return info
+
 def _student_job(config, arms, corpus, toks, teacher, projection, eval_set, curve_set, log, timings) -> dict:
     "Everything the students' training needs, for this process or the spawned ones."
     plans, inits = {}, {}
@@ -137,17 +161,24 @@ def _student_job(config, arms, corpus, toks, teacher, projection, eval_set, curv
         inits[seed] = TinyGPT(student_config(len(toks.student))).state_dict()
         log(f"seed {seed}: {plans[seed]!r}")
     timings["student windows"] = time.perf_counter() - start
-    return dict(arms=arms, plans=plans, inits=inits, toks=toks, teacher=dict(config=teacher.config, state=teacher.state_dict()),
+    store = _job_store(config, arms, plans, toks, teacher, log, timings)
+    live = any(a.mode != "ce" and a.teacher == "live" for a in arms)  # without one, the students' processes never see the teacher
+    return dict(arms=arms, plans=plans, inits=inits, toks=toks, store=store,
+                teacher=dict(config=teacher.config, state=teacher.state_dict()) if live else None,
                 projection_path=str(projection.path), eval_set=eval_set, curve_set=curve_set, curve_every=config.curve_every,
                 batched=config.batched, via_ipc=config.via_ipc, progress=config.progress, threads=config.threads_per_process)
 
 def _run_student_job(job: dict) -> tuple[dict, dict]:
     "Train every seed of `job` (in this process, as one rank when `torch.distributed` is set up)."
-    teacher = TinyGPT(job["teacher"]["config"]); teacher.load_state_dict(job["teacher"]["state"]); teacher.eval()
+    teacher = None
+    if job["teacher"] is not None:
+        teacher = TinyGPT(job["teacher"]["config"]); teacher.load_state_dict(job["teacher"]["state"]); teacher.eval()
+    store = TeacherSignalDataset(job["store"]["path"]) if job["store"] is not None else None
     runs, phases = {}, {}
     for seed, plan in job["plans"].items():
         init = TinyGPT(student_config(len(job["toks"].student))); init.load_state_dict(job["inits"][seed])
         seed_runs = train_student(init, job["arms"], plan, job["toks"], teacher=teacher, projection_path=job["projection_path"],
+                                  teacher_store=store,
                                   eval_set=job["eval_set"], curve_set=job["curve_set"], curve_every=job["curve_every"],
                                   batched=job["batched"], via_ipc=job["via_ipc"], progress=job["progress"], timings=phases)
         runs.update({(name, seed): run for name, run in seed_runs.items()})
@@ -222,10 +253,11 @@ def _run_student_job_dp(job: dict, world: int, scratch: Path) -> tuple[dict, dic
 
 # %% ../../nbs/107_distill_run.ipynb #17344ed0
 def train_arms(config: DemoConfig, arms: list, corpus, toks, teacher, projection, eval_set, curve_set, log=print,
-               timings: dict | None = None) -> dict:
+               timings: dict | None = None, info: dict | None = None) -> dict:
     "Train `arms` (ArmSpecs) for every seed of `config`, here or in `config.dp` gloo processes: `(arm, seed) -> StudentRun`."
     timings = {} if timings is None else timings
     job = _student_job(config, arms, corpus, toks, teacher, projection, eval_set, curve_set, log, timings)
+    if info is not None and job["store"] is not None: info["teacher_store"] = job["store"]  # `info` receives the store's record
     start = time.perf_counter()
     if config.dp == 1:
         torch.set_num_threads(config.threads_per_process)
@@ -268,7 +300,8 @@ def prepare_demo(config: DemoConfig, log: _RunLog | None = None, timings: dict |
     log(f"corpus: {corpus!r}")
     if corpus.stats.get("heldout_fallback"):
         log.warn(f"corpus: no block passes the sha1 rule; block {corpus.heldout_names[0]} is held out instead")
-    toks = timed("tokenizers", lambda: train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache, warn=log.warn))
+    toks = timed("tokenizers", lambda: train_tokenizers(corpus, config.cache_path, no_cache=config.no_cache, warn=log.warn,
+                                                         student=config.student_tokenizer))
     log(f"tokenizers: {toks!r}; " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in toks.stats.items()))
     full = timed("eval windows", lambda: make_eval_set(corpus.heldout_text, toks, max(EVAL_WINDOWS, config.eval_windows)))
     eval_set = full.head(min(config.eval_windows, len(full)))
@@ -286,11 +319,12 @@ def prepare_demo(config: DemoConfig, log: _RunLog | None = None, timings: dict |
     return DemoInputs(corpus, toks, eval_set, curve_set, alignment, teacher, teacher_bpb, projection)
 
 def _finish_run(config: DemoConfig, arms: list, prep: DemoInputs, runs: dict, out: Path, log: _RunLog, timings: dict,
-                wall: float) -> DemoResult:
+                wall: float, info: dict | None = None) -> DemoResult:
     "The results, the report and the output files of a finished run."
     start = time.perf_counter()
     results = build_results(config, arms, prep.corpus, prep.toks, prep.eval_set, prep.curve_set, prep.alignment, prep.projection,
                        prep.teacher, prep.teacher_bpb, runs)
+    results.update(info or {})
     report = render_report(results)
     files = write_outputs(config, results, runs, prep.toks, prep.teacher, prep.projection, out)
     timings["outputs"] = time.perf_counter() - start
@@ -314,12 +348,15 @@ def run_demo(
     try:
         log(f"demo: preset {config.preset}, corpus {config.corpus}, arms {', '.join(config.arms)}, seeds {config.seed_list}, "
             f"{config.student_steps} student steps, {config.threads} thread(s), dp {config.dp}"
-            f"{', teacher logits via IPC' if config.via_ipc else ''}, out {out}")
+            f"{', teacher logits via IPC' if config.via_ipc else ''}"
+            f"{f', teacher from the store at k={config.teacher_k}' if config.teacher == 'cached' else ''}"
+            f"{f', student tokenizer {config.student_tokenizer}' if config.student_tokenizer != 'unigram' else ''}, out {out}")
         prep = prepare_demo(config, log, timings)
+        info = {}
         runs = train_arms(config, arms, prep.corpus, prep.toks, prep.teacher.model, prep.projection, prep.eval_set,
-                                   prep.curve_set, log, timings)
+                                   prep.curve_set, log, timings, info)
         torch.set_num_threads(config.threads)
-        return _finish_run(config, arms, prep, runs, out, log, timings, wall)
+        return _finish_run(config, arms, prep, runs, out, log, timings, wall, info)
     except BaseException as e:
         log(f"failed: {type(e).__name__}: {e}")
         raise
