@@ -290,3 +290,23 @@ def test_prompts_are_all_text_or_all_conversations():
         generate_completions(None, s, ["Hi", CONVERSATIONS[0]], max_new_tokens=2, seed=0, sampler=lambda p, q: [[1]] * 2)
     with pytest.raises(ValueError, match=r"prompts\[0\]\[0\]: expected a dict with str 'role' and 'content'"):
         generate_completions(None, s, [[{"role": "user"}]], max_new_tokens=2, seed=0, sampler=lambda p, q: [[1]])
+
+
+def test_the_losses_train_only_where_the_next_token_was_sampled():
+    from xtoken_dp.losses import TeacherLossSpec, XTokenLossConfig, compute_global_normalizers, xtoken_kd_loss
+    s, t = tok("mistral_spm"), tok("qwen2")
+    wer = s.convert_tokens_to_ids("wer")
+    rows = completions_from_ids(s, ["The ans", "Hello"], [[wer, s.convert_tokens_to_ids("▁now"), s.eos_token_id],
+                                                          s.encode("world", add_special_tokens=False)])
+    batch = collate_completions(rows, TokenAligner(s, t))
+    config = XTokenLossConfig(student_vocab_size=len(s), teachers=(TeacherLossSpec("uld", vocab_size=len(t)),),
+                              block_size=None, uld_topk=64)
+    normalizers = compute_global_normalizers(batch, config)
+    assert normalizers.n_tok == 4 and normalizers.n_chunks[0] == 3   # 4 sampled tokens; " now" + EOS pair + " world"
+    torch.manual_seed(0)
+    student_logits = torch.randn(2, batch["input_ids"].shape[1], len(s), requires_grad=True)
+    loss, _ = xtoken_kd_loss(student_logits, batch, {0: torch.randn(2, batch["teacher_0_input_ids"].shape[1], len(t))},
+                             config=config, normalizers=normalizers)
+    loss.backward()
+    trained = student_logits.grad.abs().sum(-1) > 0
+    assert trained.tolist() == [[False, False, True, True, True, False], [False, True, False, False, False, False]]
