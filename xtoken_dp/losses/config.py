@@ -24,7 +24,8 @@ from ..projection import ProjectionPairError, check_projection_pair
 from ..caches import file_identity
 
 # %% auto #0
-__all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'TeacherLossSpec', 'XTokenLossConfig']
+__all__ = ['LOSS_MODES', 'PROJECTION_MODES', 'KD_LOSS_MODES', 'SUM_WEIGHTS_METRICS', 'JSD_UNDEFINED_MODES', 'TeacherLossSpec',
+           'XTokenLossConfig']
 
 # %% ../../nbs/08a_losses_config.ipynb #7a22bc7f
 LOSS_MODES = ("pkl", "gold", "hkl", "topk_kl", "alm", "uld")
@@ -106,6 +107,7 @@ class XTokenLossConfig:
     reference_formulas: bool = False  # the reference loss implementation's per-chunk formulas (values can be negative)
     block_size: int | str | None = "auto"  # student positions per block; "auto": by the logits' size (resolve_block_size); None: whole
     overwrite_logits: bool = False  # write the logits' gradient into the student logits themselves (one logits-sized buffer less)
+    beta: float | None = None  # generalised JSD: 0 forward KL, 1 reverse KL, between: the JSD; None: reverse_kl decides
 
     def __post_init__(self): _validate_config(self)
 
@@ -128,6 +130,21 @@ class XTokenLossConfig:
     def effective_row_normalize(self) -> bool:
         "Whether P-KL normalises projection rows: `projection_row_normalize`, never under `reference_formulas`."
         return self.projection_row_normalize and not self.reference_formulas
+
+    @property
+    def effective_reverse_kl(self) -> bool:
+        "Whether the KL modes compare KL(student ‖ teacher): `beta == 1`, or `reverse_kl` when `beta` is None."
+        return self.reverse_kl if self.beta is None else self.beta == 1.0
+
+    @property
+    def effective_beta(self) -> float:
+        "The generalised JSD's `beta` in use: `beta`, or 0.0 / 1.0 by `reverse_kl` when it is None."
+        return float(self.reverse_kl) if self.beta is None else self.beta
+
+    @property
+    def jsd_beta(self) -> float | None:
+        "`beta` when it asks for the generalised JSD (strictly between 0 and 1), else None (a KL, by `effective_reverse_kl`)."
+        return self.beta if self.beta is not None and 0.0 < self.beta < 1.0 else None
 
     @property
     def needs_scores(self) -> bool:
@@ -184,6 +201,27 @@ def _validate_teachers(cfg):
         if sum(weights) == 0: raise ValueError(f"averaged_logits needs a non-zero sum of teacher weights, got {weights}")
 
 
+JSD_UNDEFINED_MODES = ("alm", "uld")  # modes without a generalised JSD (see below)
+
+
+def _check_beta(cfg):
+    "`beta`: None, or a finite float in [0, 1] that agrees with `reverse_kl`; a JSD (0 < beta < 1) only where it is defined."
+    if cfg.beta is None: return None
+    beta = _check_float("beta", cfg.beta)
+    if not 0.0 <= beta <= 1.0: raise ValueError(f"beta must lie in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    if cfg.reverse_kl and beta != 1.0:
+        raise ValueError(f"beta={beta} contradicts reverse_kl=True (which is beta=1): set beta alone, got both")
+    if 0.0 < beta < 1.0:
+        if cfg.reference_formulas:
+            raise ValueError(f"beta={beta} (the generalised JSD) has no form in reference_formulas (the reference loss "
+                             "implementation's per-chunk formulas compare unnormalised targets); got reference_formulas=True")
+        for i, spec in enumerate(cfg.teachers):
+            if spec.mode in JSD_UNDEFINED_MODES:
+                raise ValueError(f"teacher {i}: beta={beta} (the generalised JSD) is not defined for mode {spec.mode!r}; "
+                                 f"it needs a mode comparing two distributions over one support (pkl, gold, hkl, topk_kl)")
+    return beta
+
+
 def _validate_config(cfg):
     put = lambda name, value: object.__setattr__(cfg, name, value)
     put("student_vocab_size", check_int("student_vocab_size", cfg.student_vocab_size, minimum=1))
@@ -215,6 +253,7 @@ def _validate_config(cfg):
         raise ValueError("reference_formulas reproduces the reference loss implementation's chunk targets: it has no "
                          f"chunk_target='geometric', got chunk_target={cfg.chunk_target!r}")
     _validate_teachers(cfg)
+    put("beta", _check_beta(cfg))
 
 # %% ../../nbs/08a_losses_config.ipynb #48b1b5ab
 _DEPRECATED_NAMES = {"anchor_compat": "reference_formulas"}  # old name -> the config field it stands for

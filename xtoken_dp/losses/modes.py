@@ -24,15 +24,16 @@ from .config import XTokenLossConfig
 from .chunks import (PKL_EPS, TINY, Chunks, Microbatch, TeacherView, check_targets, chunk_first, chunk_sum,
                                      log1mexp, next_token_logprob, prob_kl, reduce_chunks, tempered, top1_index)
 from .uld_routes import SIXTEEN_BIT_L1, sorted_l1
+from .jsd import SoftmaxJSD, entries_divergence, prob_divergence, sparse_softmax_jsd
 from .sparse import (SparseRows, SparseSoftmaxKL, chunk_rows, kl_entries, log_softmax_rows, logit_rows, prob_rows,
                                      rows_argmax, rows_at_columns, rows_sum, rows_vote, softmax_kl_entries, sorted_l1_entries,
                                      teacher_rows)
 
 # %% auto #0
 __all__ = ['SMALL_DENSE_COLUMNS', 'SIXTEEN_BIT_ULD', 'KEEP_SHARE', 'sparse_columns', 'top_columns', 'Fp32SparseMM',
-           'select_projection_columns', 'TeacherTerm', 'pkl_projection', 'SoftmaxKL', 'topk_kl_term',
-           'check_alm_teacher', 'sparse_chunk_distributions', 'kept_positions', 'teacher_term', 'teacher_input',
-           'per_chunk_losses']
+           'select_projection_columns', 'TeacherTerm', 'pkl_projection', 'SoftmaxKL', 'softmax_divergence',
+           'topk_kl_term', 'check_alm_teacher', 'sparse_chunk_distributions', 'kept_positions', 'teacher_term',
+           'teacher_input', 'per_chunk_losses']
 
 # %% ../../nbs/08e_losses_modes.ipynb #45304abf
 def _teacher_columns(y, voters, k, scope):
@@ -242,7 +243,7 @@ def _pkl_bucket(cfg, ell, every_column, R, U, chunks):
     whole = cfg.chunk_target == "geometric" or every_column  # the teacher's rest is exactly 0
     p_rest = target.new_zeros(target.shape[:-1] + (1,)) if whole else (1 - target.sum(-1, keepdim=True)).clamp_min(0)
     p, q = with_rest(target, p_rest), with_rest(R, U)
-    kl = prob_kl(q, p) if cfg.reverse_kl else prob_kl(p, q)
+    kl = prob_divergence(p, q, cfg.effective_beta)
     hits = ((top1_index(R) == top1_index(target)) & chunks.valid).sum()
     return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
 
@@ -294,12 +295,12 @@ def _pkl_term(mb, teacher, chunks):
         L = reduce_chunks(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
         R_hat, target = R / (R.sum(-1, keepdim=True) + PKL_EPS), L.exp()
         shifted = R_hat + PKL_EPS
-        kl = (shifted * (shifted.log() - L)).sum(-1) if cfg.reverse_kl else (target * (L - shifted.log())).sum(-1)
+        kl = (shifted * (shifted.log() - L)).sum(-1) if cfg.effective_reverse_kl else (target * (L - shifted.log())).sum(-1)
     else:
         R_hat = (R + PKL_EPS / k) / (R.sum(-1, keepdim=True) + PKL_EPS)
         if cfg.chunk_target == "geometric": target = torch.softmax(reduce_chunks(ell, chunks.tau, chunks.max_chunks, cfg.chunk_reduce), -1)
         else: target = reduce_chunks(ell.exp(), chunks.tau, chunks.max_chunks, cfg.chunk_reduce)
-        kl = prob_kl(R_hat, target) if cfg.reverse_kl else prob_kl(target, R_hat)
+        kl = prob_divergence(target, R_hat, cfg.effective_beta)
     hits = ((top1_index(R_hat) == top1_index(target)) & chunks.valid).sum()
     return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
 
@@ -325,7 +326,7 @@ def _dense_gold_parts(cfg, z, y, token_map, chunks):
         A_s = reduce_chunks(torch.log_softmax(tempered(z, kappa), -1), chunks.sigma, C, cfg.chunk_reduce)
         A_t = reduce_chunks(torch.log_softmax(tempered(y, kappa), -1), chunks.tau, C, cfg.chunk_reduce)
         a_s, a_t = _columns(A_s, c_s), _columns(A_t, c_t)
-        common = (a_s.exp() * (a_s - a_t)).sum(-1) if cfg.reverse_kl else (a_t.exp() * (a_t - a_s)).sum(-1)
+        common = (a_s.exp() * (a_s - a_t)).sum(-1) if cfg.effective_reverse_kl else (a_t.exp() * (a_t - a_s)).sum(-1)
         tail_s, tail_t, rho_t = _columns(A_s, u_s).exp(), _columns(A_t, u_t).exp(), (1 - a_t.exp().sum(-1)).clamp_min(0)
     else:
         P_s = _chunk_distributions(z, chunks.sigma, C, cfg)
@@ -335,7 +336,7 @@ def _dense_gold_parts(cfg, z, y, token_map, chunks):
         if cfg.effective_common_renormalize:
             p, q = a_t / a_t.sum(-1, keepdim=True).clamp_min(TINY), a_s / a_s.sum(-1, keepdim=True).clamp_min(TINY)
         else: p, q = torch.cat([a_t, rho_t[..., None]], -1), torch.cat([a_s, rho_s[..., None]], -1)
-        common = prob_kl(q, p) if cfg.reverse_kl else prob_kl(p, q)
+        common = prob_divergence(p, q, cfg.effective_beta)
         tail_s, tail_t = _columns(P_s, u_s), _columns(P_t, u_t)
     l1 = sorted_l1(tail_s, tail_t, min(u_s.numel(), u_t.numel(), cfg.uncommon_topk))
     return common, l1, top1_index(a_s) == top1_index(a_t), rho_t
@@ -382,6 +383,12 @@ class SoftmaxKL(torch.autograd.Function):
         return grad_z, grad_y, None, None
 
 # %% ../../nbs/08e_losses_modes.ipynb #4bae7660
+def softmax_divergence(z, y, kappa, cfg):
+    "Per row, `SoftmaxKL` in the config's direction, or `SoftmaxJSD` when `cfg.beta` lies strictly between 0 and 1."
+    if cfg.jsd_beta is not None: return SoftmaxJSD.apply(z, y, kappa, cfg.jsd_beta)
+    return SoftmaxKL.apply(z, y, kappa, cfg.effective_reverse_kl)
+
+
 def topk_kl_term(mb, y, cols=None):
     "Same-vocab top-k KL against dense logits `y [B, T, W]` or sparse logit rows (`SparseRows`: a sparse teacher, a mean of teachers)."
     cfg, kappa = mb.config, mb.config.temperature
@@ -389,14 +396,14 @@ def topk_kl_term(mb, y, cols=None):
     if isinstance(y, SparseRows):
         if cols is None: cols = sparse_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope, V)
         if cols.shape[1] == V: return _sparse_topk_kl_term(mb, y)  # every column: closed form
-        kl = SoftmaxKL.apply(_at_columns(mb.sliced(V, "the same-vocab KL"), cols), rows_at_columns(y, cols), kappa, cfg.reverse_kl)
+        kl = softmax_divergence(_at_columns(mb.sliced(V, "the same-vocab KL"), cols), rows_at_columns(y, cols), kappa, cfg)
         return _term(kappa ** 2 * kl, mb.next_mask)
     if y.shape[-1] < V:
         raise ValueError(f"teacher_logits: a same-vocab teacher reads the student vocabulary's {V} columns; expected a "
                          f"logit width W_t >= {V}, got {y.shape[-1]}")
     z, y = mb.sliced(V, "the same-vocab KL"), y[..., :V]
     if cols is None: cols = _teacher_columns(y, mb.next_mask, min(cfg.vocab_topk or V, V), cfg.effective_topk_scope)
-    kl = SoftmaxKL.apply(_at_columns(z, cols), _at_columns(y, cols), kappa, cfg.reverse_kl)
+    kl = softmax_divergence(_at_columns(z, cols), _at_columns(y, cols), kappa, cfg)
     return _term(kappa ** 2 * kl, mb.next_mask)
 
 # %% ../../nbs/08e_losses_modes.ipynb #b4c15bd0
@@ -481,13 +488,13 @@ def _sparse_pkl_term(mb, teacher, chunks, M):
     if cfg.reference_formulas:
         L = chunk_rows(teacher_rows(teacher.sparse, kappa, mb.dtype), chunks.tau, C, cfg.chunk_reduce, V_t)
         R_hat = R / (R.sum(-1, keepdim=True) + PKL_EPS)
-        kl, target_top = softmax_kl_entries(L, (R_hat + PKL_EPS).log(), reverse=cfg.reverse_kl), rows_argmax(L)
+        kl, target_top = softmax_kl_entries(L, (R_hat + PKL_EPS).log(), reverse=cfg.effective_reverse_kl), rows_argmax(L)
     else:
         P = sparse_chunk_distributions(teacher, chunks, cfg, mb.dtype)
         if cfg.pkl_unseen == "bucket":  # the teacher's rest is 0: every column is compared
             R_hat, extra = R, (R.new_zeros(R.shape[:-1]), _unseen_mass(M, probs, cols, chunks, cfg.chunk_reduce)[..., 0])
         else: R_hat, extra = (R + PKL_EPS / V_t) / (R.sum(-1, keepdim=True) + PKL_EPS), None
-        kl = kl_entries(P.vals, P.valid, P.base, P.count, R_hat.gather(-1, P.ids), R_hat, reverse=cfg.reverse_kl, extra=extra)
+        kl = entries_divergence(P.vals, P.valid, P.base, P.count, R_hat.gather(-1, P.ids), R_hat, beta=cfg.effective_beta, extra=extra)
         target_top = rows_argmax(P)
     hits = ((top1_index(R_hat) == target_top) & chunks.valid).sum()
     return _term(kappa ** 2 * kl, chunks.valid, proj_accuracy=hits)
@@ -515,7 +522,7 @@ def _sparse_gold_parts(cfg, z, teacher, token_map, chunks):
         common_t, tail_t = _split_common(chunk_rows(teacher_rows(teacher.sparse, kappa, z.dtype), chunks.tau, C,
                                                     cfg.chunk_reduce, teacher.spec.vocab_size), token_map)
         a_s = _columns(A_s, c_s)
-        common = softmax_kl_entries(common_t, a_s, reverse=cfg.reverse_kl)
+        common = softmax_kl_entries(common_t, a_s, reverse=cfg.effective_reverse_kl)
         l1 = sorted_l1_entries(_columns(A_s, u_s).exp(), prob_rows(tail_t), k_u)
         return common, l1, top1_index(a_s) == rows_argmax(common_t), (1 - rows_sum(prob_rows(common_t))).clamp_min(0)
     P_s = _chunk_distributions(z, chunks.sigma, C, cfg)
@@ -528,7 +535,7 @@ def _sparse_gold_parts(cfg, z, teacher, token_map, chunks):
         scale = A_t.clamp_min(TINY)
         p = SparseRows(p.ids, p.vals / scale.unsqueeze(-1), p.valid, p.base / scale, p.count)
         q, extra = a_s / a_s.sum(-1, keepdim=True).clamp_min(TINY), None
-    common = kl_entries(p.vals, p.valid, p.base, p.count, q.gather(-1, p.ids), q, reverse=cfg.reverse_kl, extra=extra)
+    common = entries_divergence(p.vals, p.valid, p.base, p.count, q.gather(-1, p.ids), q, beta=cfg.effective_beta, extra=extra)
     l1 = sorted_l1_entries(_columns(P_s, u_s), tail_t, k_u)
     return common, l1, top1_index(a_s) == rows_argmax(common_t), rho_t
 
@@ -537,7 +544,9 @@ def _sparse_topk_kl_term(mb, rows):
     "Same-vocab KL against sparse logit rows (a sparse teacher's densified log-probs, or several teachers' mean logits)."
     cfg, kappa, V = mb.config, mb.config.temperature, mb.config.student_vocab_size
     t = log_softmax_rows(rows, kappa)
-    kl = SparseSoftmaxKL.apply(mb.sliced(V, "the same-vocab KL"), t.ids, t.vals, t.valid, t.base, t.count, kappa, cfg.reverse_kl)
+    z = mb.sliced(V, "the same-vocab KL")
+    if cfg.jsd_beta is not None: kl = sparse_softmax_jsd(z, t, kappa, cfg.jsd_beta)
+    else: kl = SparseSoftmaxKL.apply(z, t.ids, t.vals, t.valid, t.base, t.count, kappa, cfg.effective_reverse_kl)
     return _term(kappa ** 2 * kl, mb.next_mask)
 
 
