@@ -13,8 +13,10 @@ import dataclasses
 import json
 import math
 import os
+import random
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -26,21 +28,26 @@ from fastcore.basics import patch
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 
+from .aligner import TokenAligner
 from .tokenizers import TokenSpans, batch_token_byte_spans, load_tokenizer_spec
 from .projection import ProjectionPairError, check_projection_pair
 from .losses import (LOSS_MODES, GlobalNormalizers, XTokenLossConfig, combine_losses, compute_global_normalizers,
                               dp_all_reduce_stack, dp_world_size, reduce_metrics, teacher_weights, xtoken_kd_loss)
 from .ipc import TeacherLogitsProducer, TopKTeacherLogits, rebuild_teacher_full_logits_from_ipc
+from .onpolicy.generate import Completion, collate_completions, generate_completions
 
 # %% auto #0
-__all__ = ['LOSS_CONFIG_NAME', 'TEACHER_TOKENIZER_DIR', 'loss_config_of', 'XTokenDistillTrainingArguments', 'teacher_input_keys',
-           'run_teacher', 'next_token_targets', 'DistillationSetupError', 'input_embedding_rows', 'output_width',
+__all__ = ['LOSS_CONFIG_NAME', 'TEACHER_TOKENIZER_DIR', 'STEP_KINDS', 'loss_config_of', 'check_onpolicy_arguments',
+           'XTokenDistillTrainingArguments', 'teacher_input_keys', 'attention_mask_of', 'run_teacher',
+           'next_token_targets', 'DistillationSetupError', 'input_embedding_rows', 'output_width',
            'check_collator_output', 'collator_tokenizers', 'check_teacher_layout', 'check_vocab_sizes',
            'check_projection_files', 'check_model_sizes', 'check_distillation_setup', 'XTokenDistillTrainer',
            'train_data_parallel', 'save_pair_tokenizers', 'load_pair_tokenizers', 'load_loss_config',
            'new_bytes_per_token', 'student_token_bytes', 'ByteCountingCollator', 'counts_bytes', 'fixed_combination',
            'eval_ratio_names', 'evaluation_sums', 'evaluation_metrics', 'target_bytes', 'topk_record_of',
-           'PrecomputedTeacherLogits', 'precompute_teacher_logits']
+           'PrecomputedTeacherLogits', 'precompute_teacher_logits', 'step_kind', 'sampling_seed', 'prompt_of',
+           'PromptCollator', 'with_attention_masks', 'completion_batch', 'teacher_sample_batch', 'OnPolicySteps',
+           'check_sampling_setup', 'on_policy_steps_of']
 
 # %% ../nbs/10a_trainer.ipynb #13d14cb3
 def loss_config_of(value # an XTokenLossConfig, or a dict of its fields
@@ -51,16 +58,43 @@ def loss_config_of(value # an XTokenLossConfig, or a dict of its fields
     raise TypeError(f"loss_config: expected an XTokenLossConfig or a dict of its fields, got {type(value).__name__}")
 
 
+def check_onpolicy_arguments(lmbda, # share of steps trained on the student's own samples, in [0, 1]
+                             seq_kd, # the teacher's samples are the data of the other steps
+                             beta, # None, or the generalised JSD's interpolation in [0, 1]
+                             temperature, # sampling temperature, > 0
+                             max_new_tokens, # the most tokens sampled per completion, >= 1
+                            ) -> None:
+    "Refuse on-policy arguments outside their ranges (TRL's names and meanings)."
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not number(lmbda) or not 0 <= lmbda <= 1: raise ValueError(f"lmbda: expected a number in [0, 1], got {lmbda!r}")
+    if not isinstance(seq_kd, bool): raise TypeError(f"seq_kd: expected a bool, got {type(seq_kd).__name__}")
+    if beta is not None and (not number(beta) or not 0 <= beta <= 1):
+        raise ValueError(f"beta: expected None or a number in [0, 1], got {beta!r}")
+    if not number(temperature) or temperature <= 0: raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+
+
 @dataclass
 class XTokenDistillTrainingArguments(TrainingArguments):
-    "`TrainingArguments` plus the distillation loss's configuration (`loss_config`)."
+    "`TrainingArguments` plus the distillation loss's configuration (`loss_config`) and TRL's on-policy knobs."
     loss_config: XTokenLossConfig | dict | None = field(
         default=None, metadata={"help": "The XTokenLossConfig of the distillation loss, or a dict of its fields."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep False: the collator reads the datums' `text`, which no model takes."})
+    lmbda: float = field(default=0.0, metadata={"help": "Probability that a step trains on the student's own samples "
+                                                        "(0: the dataset's texts only, as off-policy distillation)."})
+    seq_kd: bool = field(default=False, metadata={"help": "Steps that are not on-policy train on the teacher's samples."})
+    beta: float | None = field(default=None, metadata={"help": "Generalised JSD interpolation (0 forward KL, 1 reverse), "
+                                                               "forwarded to loss_config.beta; None keeps the config's."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the student's and the teacher's "
+                                                              "samples (the loss's own is loss_config.temperature)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "The most tokens sampled per completion."})
 
     def __post_init__(self):
         self.loss_config = loss_config_of(self.loss_config)
+        check_onpolicy_arguments(self.lmbda, self.seq_kd, self.beta, self.temperature, self.max_new_tokens)
+        if self.beta is not None: self.loss_config = dataclasses.replace(self.loss_config, beta=float(self.beta))
         super().__post_init__()
 
     def to_dict(self) -> dict:
@@ -77,6 +111,15 @@ def teacher_input_keys(i: int, # the teacher's index
     return (f"teacher_{i}_input_ids", f"teacher_{i}_token_mask") if cross else ("input_ids", "token_mask")
 
 
+def attention_mask_of(batch: Mapping, # a padded batch
+                      i: int | None = None, # a teacher's index (None: the student)
+                      cross: bool = True, # True: teacher i is a cross-tokenizer teacher
+                     ) -> Tensor:
+    "The long attention mask of the student or of teacher `i`: the batch's `*attention_mask` where it has one (a batch of samples, whose token masks hold the completion alone), else its token mask."
+    key, fallback = ("attention_mask", "token_mask") if i is None or not cross else (f"teacher_{i}_attention_mask", f"teacher_{i}_token_mask")
+    return (batch[key] if key in batch else batch[fallback]).long()
+
+
 @torch.no_grad()
 def run_teacher(model: nn.Module, # a frozen causal LM
                 batch: Mapping, # the collator's padded batch
@@ -84,9 +127,8 @@ def run_teacher(model: nn.Module, # a frozen causal LM
                 cross: bool, # True: a cross-tokenizer teacher
                ) -> Tensor:
     "Teacher `i`'s logits `[B, T_t, W_t]` on its tokenisation of the batch, in eval mode and without gradients."
-    ids_key, mask_key = teacher_input_keys(i, cross)
     model.eval()
-    return model(input_ids=batch[ids_key], attention_mask=batch[mask_key].long()).logits
+    return model(input_ids=batch[teacher_input_keys(i, cross)[0]], attention_mask=attention_mask_of(batch, i, cross)).logits
 
 # %% ../nbs/10a_trainer.ipynb #e6e6713e
 def next_token_targets(ids: Tensor, # [B, T] token ids
@@ -301,11 +343,14 @@ class XTokenDistillTrainer(Trainer):
         self.loss_config, self.teacher_layout = args.loss_config, layout
         self.teachers = _frozen_teachers(teachers, n, self.args.device, teacher_logits is not None)
         self.teacher_logits = teacher_logits
+        self.on_policy = on_policy_steps_of(self, kwargs.get("train_dataset")) if args.lmbda > 0 or args.seq_kd else None
         self._step_metrics, self._logged_metrics, self._eval_totals = [], [], None
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, GlobalNormalizers]:
         "The step's microbatches and, in place of the Trainer's token count, the step's global normalisers."
         samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.on_policy is not None:  # built before the counts, so a step of samples is normalised exactly too
+            samples = self.on_policy.step(self.model, samples, self.state.global_step, self.args.process_index)
         return samples, compute_global_normalizers(samples, self.loss_config)
 
 # %% ../nbs/10a_trainer.ipynb #7db30e18
@@ -327,7 +372,7 @@ def compute_loss(self: XTokenDistillTrainer, model, inputs: Mapping, return_outp
     "`xtoken_kd_loss` of the microbatch (times the data-parallel world size, for DDP's mean), its metrics kept for the logs."
     normalizers = (num_items_in_batch if isinstance(num_items_in_batch, GlobalNormalizers)
                    else compute_global_normalizers([inputs], self.loss_config))
-    outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["token_mask"].long())
+    outputs = model(input_ids=inputs["input_ids"], attention_mask=attention_mask_of(inputs))
     loss, metrics = xtoken_kd_loss(outputs.logits, inputs, self.teacher_logits_of(inputs), config=self.loss_config,
                                    normalizers=normalizers)
     if model.training: self._step_metrics.append(metrics)
@@ -340,7 +385,10 @@ def training_step(self: XTokenDistillTrainer, model, inputs, num_items_in_batch=
     "The Trainer's step on one microbatch; after the step's last one, its metrics are reduced over microbatches and ranks."
     loss = super(XTokenDistillTrainer, self).training_step(model, inputs, num_items_in_batch)
     if len(self._step_metrics) >= self.current_gradient_accumulation_steps:
-        if self.args.logging_strategy != "no": self._logged_metrics.append(reduce_metrics(self._step_metrics))
+        if self.args.logging_strategy != "no":
+            metrics = reduce_metrics(self._step_metrics)
+            if self.on_policy is not None: metrics.update(self.on_policy.last_metrics)  # the step's kind, its sampling time
+            self._logged_metrics.append(metrics)
         self._step_metrics = []
     return loss
 
@@ -693,3 +741,197 @@ def precompute_teacher_logits(teachers: Mapping[int, nn.Module], # teacher index
             targets = next_token_targets(batch[ids_key], batch[mask_key])
             parts[i].append(topk_record_of(run_teacher(model, batch, i, layout[i]), vocab_sizes[i], topk, targets))
     return PrecomputedTeacherLogits({i: _concat_records(recs) for i, recs in parts.items()}, idx, layout)
+
+# %% ../nbs/10a_trainer.ipynb #84a28c26
+STEP_KINDS = ("off_policy", "on_policy", "seq_kd")  # what a step trains on: the dataset's texts, the student's samples, the teacher's
+
+
+def step_kind(step: int, # the optimizer step (the Trainer's global_step when the step starts)
+              lmbda: float, # probability of an on-policy step
+              seq_kd: bool, # the other steps train on the teacher's samples
+              seed: int, # the run's seed
+             ) -> str:
+    "The kind of step `step`: 'on_policy' with probability `lmbda`, one draw made from the seed and the step alone, else 'seq_kd' or 'off_policy'."
+    if lmbda > 0 and random.Random(f"{seed}:{step}").random() < lmbda: return "on_policy"
+    return "seq_kd" if seq_kd else "off_policy"
+
+
+def sampling_seed(seed: int, step: int, microbatch: int, rank: int) -> int:
+    "The generation seed of one microbatch: its own for every (run seed, step, microbatch, data-parallel rank)."
+    return random.Random(f"{seed}:{step}:{microbatch}:{rank}").getrandbits(31)
+
+# %% ../nbs/10a_trainer.ipynb #0c83d3c1
+def prompt_of(datum # one datum of the training set
+             ) -> str | list | None:
+    "The datum's prompt: its `prompt` (a text, or a conversation), else its `messages` without the closing assistant turns; None without one."
+    if not isinstance(datum, Mapping): return None
+    prompt = datum.get("prompt")
+    if isinstance(prompt, str): return prompt or None
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes) and len(prompt): return list(prompt)
+    messages = datum.get("messages")
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence): return None
+    n = len(messages)
+    while n and isinstance(messages[n - 1], Mapping) and messages[n - 1].get("role") == "assistant": n -= 1
+    return list(messages[:n]) or None
+
+
+class PromptCollator:
+    "The training batches of a run that samples: each datum's prompt, and the datums (the step decides what to build)."
+    def __repr__(self): return "PromptCollator()"
+
+    def __call__(self, datums: Sequence[Mapping]) -> dict:
+        prompts = [prompt_of(d) for d in datums]
+        missing = [k for k, p in enumerate(prompts) if p is None]
+        if missing:
+            raise ValueError(f"train_dataset: expected a 'prompt' (a text or a conversation) or 'messages' in every datum, "
+                             f"got {len(missing)} of {len(datums)} without one, e.g. {str(datums[missing[0]])[:120]}")
+        return {"prompts": prompts, "datums": list(datums)}
+
+# %% ../nbs/10a_trainer.ipynb #9bfa6ceb
+def with_attention_masks(batch: dict, # a flat batch of sampled completions
+                         cross: Sequence[int], # the cross-tokenizer teachers' indices
+                        ) -> dict:
+    "`batch` with `attention_mask` and each cross teacher's `teacher_{i}_attention_mask`: every kept token (prompt and completion)."
+    within = lambda ids, n: torch.arange(ids.shape[1])[None, :] < n[:, None]
+    batch["attention_mask"] = within(batch["input_ids"], batch["input_lengths"])
+    for i in cross: batch[f"teacher_{i}_attention_mask"] = within(batch[f"teacher_{i}_input_ids"], batch[f"teacher_{i}_input_lengths"])
+    return batch
+
+
+def completion_batch(completions: Sequence[Completion], # the student's ids (sampled, or a same-vocabulary teacher's)
+                     collator, # the trainer's CrossTokenizerCollator: tokenizers, aligners, padding multiples
+                     layout: Sequence[bool], # True = cross-tokenizer, per teacher
+                    ) -> dict:
+    "The flat batch of `completions` for every teacher: `collate_completions` per cross teacher (keys renumbered `teacher_{i}_*`, `alignment_{i}_*`), the student's keys once."
+    cross = [i for i, c in enumerate(layout) if c]
+    divs, out = collator.make_seq_div_by_teachers, {}
+    for i in cross or [None]:  # same-vocabulary teachers only: the student's keys, from the student aligned with itself
+        aligner = TokenAligner(collator.student_tokenizer, collator.student_tokenizer) if i is None else collator.aligners[i]
+        part = collate_completions(completions, aligner, make_seq_div_by_student=collator.make_seq_div_by_student,
+                                   make_seq_div_by_teacher=1 if i is None else divs[i] or 1)
+        for key, value in part.items():
+            if key.startswith(("teacher_0_", "alignment_0_")):
+                if i is not None: out[key.replace("_0_", f"_{i}_", 1)] = value
+            elif key == "sample_mask": out[key] = out[key] * value if key in out else value
+            else: out.setdefault(key, value)
+    return with_attention_masks(out, cross)
+
+
+_SIDES = (("input_ids", "teacher_0_input_ids"), ("input_lengths", "teacher_0_input_lengths"),
+          ("token_mask", "teacher_0_token_mask"), ("alignment_0_student_chunk_id", "alignment_0_teacher_chunk_id"),
+          ("alignment_0_student_exact_partition_mask", "alignment_0_teacher_exact_partition_mask"))
+
+
+def teacher_sample_batch(completions: Sequence[Completion], # teacher 0's completions, in its own tokenizer's ids
+                         collator, # the trainer's CrossTokenizerCollator (one cross-tokenizer teacher)
+                         reverse: TokenAligner, # TokenAligner(teacher tokenizer, student tokenizer)
+                        ) -> dict:
+    "The flat batch of a cross teacher's samples: aligned from the teacher's side, then the sides exchanged, so the student tokenises the text."
+    batch = collate_completions(completions, reverse, make_seq_div_by_student=collator.make_seq_div_by_teachers[0] or 1,
+                                make_seq_div_by_teacher=collator.make_seq_div_by_student)
+    for a, b in _SIDES: batch[a], batch[b] = batch[b], batch[a]
+    return with_attention_masks(batch, [0])
+
+# %% ../nbs/10a_trainer.ipynb #53cc86bb
+class OnPolicySteps:
+    "The microbatches of a run with `lmbda > 0` or `seq_kd`: each step's kind, drawn per step, and its batches built from the prompts."
+    def __init__(self, collator, # the trainer's CrossTokenizerCollator
+                 teachers: Sequence[nn.Module], # the live teachers, one per teacher of the loss config
+                 layout: Sequence[bool], # True = cross-tokenizer, per teacher
+                 *, lmbda: float, seq_kd: bool, temperature: float, max_new_tokens: int, # the arguments of the same names
+                 seed: int, # the run's seed
+                ):
+        self.collator, self.teachers, self.layout = collator, list(teachers), tuple(layout)
+        self.lmbda, self.seq_kd, self.temperature, self.max_new_tokens, self.seed = lmbda, seq_kd, temperature, max_new_tokens, seed
+        self.reverse = (TokenAligner(collator.teacher_tokenizers[0], collator.student_tokenizer)
+                        if seq_kd and self.layout[0] else None)
+        self.last_metrics, self._seconds = {}, 0.0
+
+    def __repr__(self): return f"OnPolicySteps(lmbda={self.lmbda}, seq_kd={self.seq_kd}, temperature={self.temperature}, max_new_tokens={self.max_new_tokens})"
+
+    def sample(self, model: nn.Module, tokenizer, prompts: Sequence, seed: int) -> list[Completion]:
+        "`model`'s completions of `prompts`, sampled in eval mode without gradients (its mode restored after)."
+        was_training, start = model.training, time.perf_counter()
+        model.eval()
+        try:
+            with torch.no_grad():
+                return generate_completions(model, tokenizer, prompts, max_new_tokens=self.max_new_tokens, seed=seed,
+                                            temperature=self.temperature)
+        finally:
+            model.train(was_training)
+            self._seconds += time.perf_counter() - start
+
+    def microbatch(self, kind: str, model: nn.Module, lazy: Mapping, seed: int) -> dict:
+        "One microbatch of a step of `kind`, from a `PromptCollator` batch."
+        c = self.collator
+        if kind == "off_policy": return c(lazy["datums"])
+        if kind == "on_policy": return completion_batch(self.sample(model, c.student_tokenizer, lazy["prompts"], seed), c, self.layout)
+        if not self.layout[0]:  # a same-vocabulary teacher samples the student's ids
+            return completion_batch(self.sample(self.teachers[0], c.student_tokenizer, lazy["prompts"], seed), c, self.layout)
+        return teacher_sample_batch(self.sample(self.teachers[0], c.teacher_tokenizers[0], lazy["prompts"], seed), c, self.reverse)
+
+    def step(self, model: nn.Module, # the student being trained
+             lazy_batches: Sequence[Mapping], # the step's `PromptCollator` batches
+             step: int, # the optimizer step
+             rank: int = 0, # the data-parallel rank (its own samples)
+            ) -> list[dict]:
+        "The step's microbatches; `last_metrics` then says its kind (1 for it, 0 for the others) and the seconds spent sampling."
+        kind, self._seconds = step_kind(step, self.lmbda, self.seq_kd, self.seed), 0.0
+        out = [self.microbatch(kind, model, lazy, sampling_seed(self.seed, step, m, rank)) for m, lazy in enumerate(lazy_batches)]
+        self.last_metrics = {name: float(name == kind) for name in STEP_KINDS} | {"generation_seconds": self._seconds}
+        return out
+
+# %% ../nbs/10a_trainer.ipynb #359c30d6
+def check_sampling_setup(args: XTokenDistillTrainingArguments, # the trainer's arguments (lmbda, seq_kd)
+                         collator, # the data collator
+                         teachers: Sequence, # one model (or None) per teacher
+                         teacher_logits, # the precomputed logits' callable, or None
+                         train_dataset, # the training set
+                        ) -> None:
+    "Refuse a run that samples (`lmbda > 0` or `seq_kd`) but cannot: no live teacher, no tokenizers, no prompts, seq_kd across tokenizers with several teachers."
+    if teacher_logits is not None or any(t is None for t in teachers):
+        raise DistillationSetupError("teacher_logits", "a live model for every teacher", "precomputed teacher logits",
+                                     "Precomputed logits exist only for the dataset's own texts; sampled completions need the "
+                                     "teachers in the process: pass teachers=[...] without teacher_logits, or set lmbda=0 and seq_kd=False.")
+    if collator_tokenizers(collator)[0] is None or not hasattr(collator, "aligners"):
+        raise DistillationSetupError("data_collator", "a CrossTokenizerCollator (its tokenizers and aligners build the sampled "
+                                     "batches)", type(collator).__name__, "Build the trainer with a CrossTokenizerCollator.")
+    layout = getattr(collator, "teacher_layout", (True,) * len(teachers))
+    if args.seq_kd and layout[0] and len(teachers) > 1:
+        raise DistillationSetupError("seq_kd", "one teacher when teacher 0 has its own tokenizer (its samples are aligned with "
+                                     "the student alone)", f"{len(teachers)} teachers",
+                                     "Distil from teacher 0 alone with seq_kd, or make teacher 0 a same-vocabulary teacher.")
+    try: first = train_dataset[0]
+    except Exception as e:
+        raise DistillationSetupError("train_dataset", "a non-empty indexable dataset of datums with prompts",
+                                     type(train_dataset).__name__, f"Sampled steps continue the datums' prompts ({e!r}).") from None
+    if prompt_of(first) is None:
+        raise DistillationSetupError("train_dataset", "datums with a 'prompt' (a text or a conversation) or 'messages'",
+                                     f"a first datum with keys {sorted(first) if isinstance(first, Mapping) else type(first).__name__}",
+                                     f"lmbda={args.lmbda} and seq_kd={args.seq_kd} sample completions of prompts: give each "
+                                     "datum its prompt, or set lmbda=0 and seq_kd=False.")
+    if args.lmbda < 1 and not args.seq_kd:
+        try: collator([first])
+        except Exception as e:
+            raise DistillationSetupError("train_dataset", "datums the data collator can build (off-policy steps train on them)",
+                                         f"a first datum it cannot: {e}", "Give each datum the collator's text (or "
+                                         "message_log) too, or set lmbda=1 or seq_kd=True.") from None
+
+
+@patch
+def get_train_dataloader(self: XTokenDistillTrainer):
+    "The Trainer's training loader; a run that samples batches the datums' prompts with a `PromptCollator` (each step builds its own)."
+    if self.on_policy is None: return super(XTokenDistillTrainer, self).get_train_dataloader()
+    collator, self.data_collator = self.data_collator, PromptCollator()
+    try: return super(XTokenDistillTrainer, self).get_train_dataloader()
+    finally: self.data_collator = collator
+
+
+def on_policy_steps_of(trainer: XTokenDistillTrainer, # a trainer whose arguments sample (lmbda > 0 or seq_kd)
+                       train_dataset, # its training set
+                      ) -> OnPolicySteps:
+    "The checked `OnPolicySteps` of a trainer built with `lmbda > 0` or `seq_kd`."
+    args = trainer.args
+    check_sampling_setup(args, trainer.data_collator, trainer.teachers, trainer.teacher_logits, train_dataset)
+    return OnPolicySteps(trainer.data_collator, trainer.teachers, trainer.teacher_layout, lmbda=args.lmbda, seq_kd=args.seq_kd,
+                         temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
