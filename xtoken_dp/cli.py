@@ -229,7 +229,7 @@ def _demo_parser() -> CommandLineParser:
                         "600 steps, written as demo_report.json/.md")
     p.add_argument("--seeds", type=_positive_int, help="number of student seeds (0..N-1)")
     p.add_argument("--steps", type=_positive_int, help="student steps per arm (equal for every arm)")
-    p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)}; ARM:cached reads the teacher store)")
+    p.add_argument("--arms", help=f"comma-separated arms (default: all of {', '.join(ARMS)}; ARM:cached reads the teacher store, ARM:onpolicy distills on the student's own continuations)")
     p.add_argument("--kd-weight", action="append", default=[], metavar="ARM=W", help="override an arm's KD weight (repeatable)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads of the run, split over --dp processes (default 2, or torch's thread count if lower)")
@@ -241,6 +241,10 @@ def _demo_parser() -> CommandLineParser:
     p.add_argument("--teacher-k", type=_positive_int, default=64, help="top-k ids per teacher token in the store (default 64)")
     p.add_argument("--teacher-store", help="the teacher store's folder (default CACHE/teacher-store-<weights>-k<K>; a store "
                                            "another run began is extended with the windows it lacks)")
+    p.add_argument("--lmbda", type=float, default=0.5, help="on-policy arms (ARM:onpolicy): the share of steps whose KD term "
+                                                             "reads the student's own continuations (default 0.5)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="on-policy arms: tokens sampled per prompt (default 32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="on-policy arms: sampling temperature (default 1)")
     p.add_argument("--student-tokenizer", choices=("unigram", "bpe"), default="unigram",
                    help="the student's tokenizer: unigram (the demo's) or bpe (a second student, e.g. from the same store)")
     p.add_argument("--sequential", action="store_true", help="train the arms one model at a time instead of as one stack")
@@ -256,10 +260,10 @@ def _arm_names(text: str) -> tuple[str, ...]:
     "The arm names of a comma-separated `--arms` value; an unknown or missing name is a usage error."
     from xtoken_dp.distill import ARMS
     arms = tuple(a.strip() for a in text.split(",") if a.strip())
-    unknown = [a for a in arms if a.removesuffix(":cached") not in ARMS]
+    unknown = [a for a in arms if a.removesuffix(":cached").removesuffix(":onpolicy") not in ARMS]
     if unknown or not arms:
         raise UsageError(f"--arms: unknown arm(s) {', '.join(map(repr, unknown)) or '(none given)'}; valid arms: {', '.join(ARMS)} "
-                         "(each KD arm also as ARM:cached)")
+                         "(each KD arm also as ARM:cached or ARM:onpolicy)")
     return arms
 
 
@@ -290,7 +294,8 @@ def _demo_config(args):
         return DemoConfig(corpus=args.corpus, preset=args.preset, arms=arms, kd_weights=weights, threads=args.threads,
                           dp=args.dp, via_ipc=args.via_ipc, batched=not args.sequential, out_dir=args.out,
                           teacher=args.teacher, teacher_k=args.teacher_k, teacher_store=args.teacher_store,
-                          student_tokenizer=args.student_tokenizer,
+                          student_tokenizer=args.student_tokenizer, lmbda=args.lmbda, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature,
                           cache_dir=args.cache_dir, no_cache=args.no_cache, progress=not args.no_progress, **overrides)
     except ValueError as e: raise UsageError(str(e)) from None
 

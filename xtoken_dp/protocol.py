@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 import numpy as np
-from .distill import (ARMS, BASE_ARMS, CACHED, DEMO_TUNING_PATH, ArmSpec, DemoConfig, make_eval_set,
+from .distill import (ARMS, BASE_ARMS, CACHED, DEMO_TUNING_PATH, ONPOLICY, ArmSpec, DemoConfig, make_eval_set,
                                prepare_demo, run_demo, train_arms)
 
 # %% auto #0
 __all__ = ['FACTORS', 'COMMON_FACTORS', 'DIRECTION_FACTORS', 'FACTOR_STUDIES', 'TuningPlan', 'trial_arm', 'score_trials',
            'next_trials', 'tuning_windows', 'tune_demo', 'write_tuning', 'paired_interval', 'full_report',
-           'report_markdown', 'cached_section', 'cached_markdown', 'run_cached_report', 'run_full_report',
-           'factor_study']
+           'report_markdown', 'twin_section', 'cached_section', 'onpolicy_section', 'cached_markdown',
+           'onpolicy_markdown', 'run_cached_report', 'run_onpolicy_report', 'run_full_report', 'factor_study']
 
 # %% ../nbs/10b_protocol.ipynb #5e031cd8
 _REPORT_SEEDS = range(5)  # seeds the reports use; tuning must not
@@ -236,17 +236,19 @@ def report_markdown(
                  f"({len(s['ahead_at_every_budget'])} of {len(s['kd_arms'])} KD arms). 95% interval below zero at every budget: "
                  f"{', '.join(f'`{n}`' for n in s['beats_ce_at_every_budget']) or 'none'} ({len(s['beats_ce_at_every_budget'])}).")
     if "cached" in report: lines += [""] + cached_markdown(report["cached"])
+    if "onpolicy" in report: lines += [""] + onpolicy_markdown(report["onpolicy"])
     return "\n".join(lines) + "\n"
 
 # %% ../nbs/10b_protocol.ipynb #ce7e3450
-def cached_section(
-    report: dict, # `full_report`'s output (or the committed report), holding the live arms at `steps`
-    results: dict, # the `results.json` of a run with `ce` and `<arm>:cached` arms on the report's seeds and windows
+def twin_section(
+    report: dict, # `full_report`'s output (or the committed report), holding the twins' base arms at `steps`
+    results: dict, # the `results.json` of a run with `ce` and `<arm><suffix>` arms on the report's seeds and windows
     *,
     steps: int, # the budget both ran at
+    suffix: str, # the twins' name suffix: ":cached" or ":onpolicy"
     tol: float = 1e-5, # how far the run's `ce` BPB may be from the report's, per seed (summation order moves the last digits)
 ) -> dict:
-    "The cached arms beside their live twins: per arm and seed both BPBs, and the paired Δ cached − live and cached − CE with 95% intervals."
+    "Each `<arm><suffix>` beside its base arm of the report: per seed both BPBs, the paired Δ twin − base and twin − CE with 95% intervals."
     budget = report["budgets"][str(steps)]
     ce = budget["arms"]["ce"]["bpb"]
     rerun = {k: s["final_bpb"] for k, s in results["arms"]["ce"]["seeds"].items()}
@@ -255,42 +257,76 @@ def cached_section(
                          "share their seeds, windows and initialisations")
     arms = {}
     for name, arm in results["arms"].items():
-        if arm.get("teacher") != "cached": continue
-        base = name.removesuffix(CACHED)
-        live, cached = budget["arms"][base]["bpb"], {k: s["final_bpb"] for k, s in arm["seeds"].items()}
-        vs_live = paired_interval([cached[s] - live[s] for s in ce])
-        vs_ce = paired_interval([cached[s] - ce[s] for s in ce])
-        arms[base] = dict(mode=arm["mode"], weight=arm["weight"], options=arm["options"], live=live, cached=cached,
-                          vs_live=vs_live, vs_ce=vs_ce, verdict=_verdict(vs_ce),
-                          within_noise=vs_live["lo"] is not None and vs_live["lo"] <= 0 <= vs_live["hi"])
+        if not name.endswith(suffix): continue
+        base = budget["arms"][name.removesuffix(suffix)]["bpb"]
+        twin = {k: s["final_bpb"] for k, s in arm["seeds"].items()}
+        vs_base, vs_ce = paired_interval([twin[s] - base[s] for s in ce]), paired_interval([twin[s] - ce[s] for s in ce])
+        arms[name.removesuffix(suffix)] = dict(mode=arm["mode"], weight=arm["weight"], options=arm["options"], base=base, twin=twin,
+                                               vs_base=vs_base, vs_ce=vs_ce, verdict=_verdict(vs_ce),
+                                               within_noise=vs_base["lo"] is not None and vs_base["lo"] <= 0 <= vs_base["hi"])
+    return dict(steps=steps, seeds=len(ce), ce_max_diff=max(abs(rerun[k] - ce[k]) for k in ce), arms=arms)
+
+def cached_section(report: dict, results: dict, *, steps: int, tol: float = 1e-5) -> dict:
+    "`twin_section` of the `<arm>:cached` arms, with the store's top-k and size."
     store = results.get("teacher_store") or {}
-    return dict(steps=steps, seeds=len(ce), k=store.get("k"), bytes_per_token=store.get("bytes_per_token"),
-                store_windows=store.get("stored_windows"), ce_max_diff=max(abs(rerun[k] - ce[k]) for k in ce), arms=arms)
+    return dict(twin_section(report, results, steps=steps, suffix=CACHED, tol=tol), k=store.get("k"),
+                bytes_per_token=store.get("bytes_per_token"), store_windows=store.get("stored_windows"))
+
+def onpolicy_section(report: dict, results: dict, *, steps: int, tol: float = 1e-5) -> dict:
+    "`twin_section` of the `<arm>:onpolicy` arms, with their settings and the on-policy phases' seconds per on-policy step."
+    section = twin_section(report, results, steps=steps, suffix=ONPOLICY, tol=tol)
+    settings = next((a["onpolicy"] for a in results["arms"].values() if a.get("onpolicy")), {})
+    timings = results.get("timings", {})
+    n_on = round(settings.get("lmbda", 0) * steps) * section["seeds"] * len(section["arms"])
+    profile = {k.removeprefix("  on-policy: "): v / max(n_on, 1) for k, v in timings.items() if k.startswith("  on-policy: ")}
+    return dict(section, settings=settings, seconds_per_onpolicy_step=profile)
+
+def _twin_rows(section: dict, suffix: str, base_word: str, twin_word: str) -> list[str]:
+    lines = [f"| arm | {base_word} BPB | {twin_word} BPB | {twin_word} − {base_word}, mean [95% interval] | {twin_word} Δ vs CE "
+             "[95% interval] | verdict |", "|---|---|---|---|---|---|"]
+    for name, a in section["arms"].items():
+        lines.append(f"| {name}{suffix} | {np.mean(list(a['base'].values())):.3f} | {np.mean(list(a['twin'].values())):.3f} | "
+                     f"{_fmt_ci(a['vs_base'])} | {_fmt_ci(a['vs_ce'])} | {a['verdict']} |")
+    inside = [n for n, a in section["arms"].items() if a["within_noise"]]
+    outside = [n for n in section["arms"] if n not in inside]
+    return lines + ["", f"Within the seeds' noise of the {base_word} arm (interval of {twin_word} − {base_word} holds 0): "
+                        f"{', '.join(f'`{n}`' for n in inside) or 'none'}; outside it: {', '.join(f'`{n}`' for n in outside) or 'none'}."]
+
+def _same_runs(section: dict, what: str) -> str:
+    return (f"{section['steps']} student steps, the same {section['seeds']} seeds, windows and initialisations as above: `ce` retrained "
+            f"beside the {what} lands within {section['ce_max_diff']:.1e} BPB of the table's on every seed")
 
 def cached_markdown(section: dict) -> list[str]:
     "The cached section's lines: one row per cached arm, then which arms stay within the seeds' noise of their live twin."
-    lines = [f"**Teacher read from the store** (top-{section['k']}, {section['bytes_per_token']:.0f} bytes per teacher token; "
-             f"{section['steps']} student steps, the same {section['seeds']} seeds, windows and initialisations as above: `ce` "
-             f"retrained beside the cached arms lands within {section['ce_max_diff']:.1e} BPB of the table's on every seed)", "",
-             "| arm | live BPB | cached BPB | cached − live, mean [95% interval] | cached Δ vs CE [95% interval] | verdict |",
-             "|---|---|---|---|---|---|"]
-    for name, a in section["arms"].items():
-        lines.append(f"| {name}:cached | {np.mean(list(a['live'].values())):.3f} | {np.mean(list(a['cached'].values())):.3f} | "
-                     f"{_fmt_ci(a['vs_live'])} | {_fmt_ci(a['vs_ce'])} | {a['verdict']} |")
-    inside = [n for n, a in section["arms"].items() if a["within_noise"]]
-    outside = [n for n in section["arms"] if n not in inside]
-    lines += ["", f"Within the seeds' noise of the live teacher (interval of cached − live holds 0): "
-                  f"{', '.join(f'`{n}`' for n in inside) or 'none'}; outside it: {', '.join(f'`{n}`' for n in outside) or 'none'}."]
-    return lines
+    return [f"**Teacher read from the store** (top-{section['k']}, {section['bytes_per_token']:.0f} bytes per teacher token; "
+            f"{_same_runs(section, 'cached arms')})", ""] + _twin_rows(section, CACHED, "live", "cached")
 
-def _cached_results(report: dict, steps: int, k: int, arms, out_dir, cache_dir, progress: bool) -> dict:
-    "The `results.json` of `ce` and the cached twins of `arms` (None: every KD arm) on the report's seeds and windows at `steps`."
+def onpolicy_markdown(section: dict) -> list[str]:
+    "The on-policy section's lines: one row per on-policy arm against its off-policy twin, and the step profile."
+    s, prof = section["settings"], section["seconds_per_onpolicy_step"]
+    head = (f"**On-policy arms** (λ = {s['lmbda']:g}: on that share of the steps the KD term reads the student's own "
+            f"{s['max_new_tokens']}-token continuations of {s['prompt_tokens']}-token prompts, sampled at temperature "
+            f"{s['temperature']:g}; CE on the windows at every step; {_same_runs(section, 'on-policy arms')})")
+    profile = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in prof.items())
+    return [head, ""] + _twin_rows(section, ONPOLICY, "off-policy", "on-policy") + (
+        ["", f"Step profile of the on-policy arms, per on-policy step (both ranks' work, the phases of off-policy steps "
+             f"included in their sums): {profile}."] if prof else [])
+
+def _twin_results(report: dict, steps: int, suffix: str, arms, out_dir, cache_dir, progress: bool, **settings) -> dict:
+    "The `results.json` of `ce` and the `suffix` twins of `arms` (None: every KD arm) on the report's seeds and windows at `steps`."
     budget = report["budgets"][str(steps)]
     arms = [n for n, a in budget["arms"].items() if a["mode"] != "ce"] if arms is None else list(arms)
-    config = DemoConfig(seeds=budget["seeds"], student_steps=steps, arms=("ce", *(a + CACHED for a in arms)),
-                        eval_windows=budget["eval_windows"], teacher_k=k, out_dir=f"{out_dir}/cached{steps}",
-                        cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False)
+    config = DemoConfig(seeds=budget["seeds"], student_steps=steps, arms=("ce", *(a + suffix for a in arms)),
+                        eval_windows=budget["eval_windows"], out_dir=f"{out_dir}/{suffix.strip(':')}{steps}",
+                        cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False,
+                        **settings)
     return run_demo(config).results
+
+def _rewrite(report: dict, report_dir) -> dict:
+    Path(report_dir).mkdir(parents=True, exist_ok=True)
+    (Path(report_dir) / "demo_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (Path(report_dir) / "demo_report.md").write_text(report_markdown(report))
+    return report
 
 def run_cached_report(
     *,
@@ -303,12 +339,27 @@ def run_cached_report(
     progress: bool = True, # progress bars
 ) -> dict:
     "Train `ce` and the cached twins of the report's KD arms on its seeds, add the cached section, rewrite the report."
-    path = Path(report_dir) / "demo_report.json"
-    report = json.loads(path.read_text())
-    report["cached"] = cached_section(report, _cached_results(report, steps, k, arms, out_dir, cache_dir, progress), steps=steps)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    (Path(report_dir) / "demo_report.md").write_text(report_markdown(report))
-    return report
+    report = json.loads((Path(report_dir) / "demo_report.json").read_text())
+    results = _twin_results(report, steps, CACHED, arms, out_dir, cache_dir, progress, teacher_k=k)
+    return _rewrite(dict(report, cached=cached_section(report, results, steps=steps)), report_dir)
+
+def run_onpolicy_report(
+    *,
+    report_dir=".", # where demo_report.json (with the off-policy arms) is read and the report is written back
+    steps: int = 300, # the budget (one of the report's)
+    arms: Sequence[str] = ("gold", "hkl"), # the KD arms to rerun on-policy
+    lmbda: float = 0.5, # share of on-policy steps
+    max_new_tokens: int = 32, # tokens sampled per prompt
+    temperature: float = 1.0, # sampling temperature
+    out_dir="demo_full", # the run's outputs go to out_dir/onpolicy<steps>
+    cache_dir=None, # the demo's cache; `out_dir/cache` by default
+    progress: bool = True, # progress bars
+) -> dict:
+    "Train `ce` and the on-policy twins of `arms` on the report's seeds, add the on-policy section, rewrite the report."
+    report = json.loads((Path(report_dir) / "demo_report.json").read_text())
+    results = _twin_results(report, steps, ONPOLICY, arms, out_dir, cache_dir, progress, lmbda=lmbda,
+                            max_new_tokens=max_new_tokens, temperature=temperature)
+    return _rewrite(dict(report, onpolicy=onpolicy_section(report, results, steps=steps)), report_dir)
 
 # %% ../nbs/10b_protocol.ipynb #1c0979bd
 def run_full_report(
@@ -321,6 +372,7 @@ def run_full_report(
     report_dir=".", # where demo_report.json and demo_report.md are written
     progress: bool = True, # progress bars
     cached_k: int | None = 64, # also train every KD arm from the teacher store at this top-k, at the first budget (None: not)
+    onpolicy_arms: Sequence[str] = ("gold", "hkl"), # also train these KD arms on-policy (λ = 0.5), at the first budget
 ) -> dict:
     "Run the demo at every budget and write the full report (JSON and markdown); returns the report."
     runs = {}
@@ -331,12 +383,12 @@ def run_full_report(
     report = dict(full_report(runs), tuning=runs[budgets[0]].get("tuning"))
     if cached_k is not None:
         kd = [a for a in arms if ARMS[a].mode != "ce"]
-        cached = _cached_results(report, budgets[0], cached_k, kd, out_dir, cache_dir, progress)
+        cached = _twin_results(report, budgets[0], CACHED, kd, out_dir, cache_dir, progress, teacher_k=cached_k)
         report["cached"] = cached_section(report, cached, steps=budgets[0])
-    Path(report_dir).mkdir(parents=True, exist_ok=True)
-    (Path(report_dir) / "demo_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (Path(report_dir) / "demo_report.md").write_text(report_markdown(report))
-    return report
+    if onpolicy_arms:
+        onpolicy = _twin_results(report, budgets[0], ONPOLICY, onpolicy_arms, out_dir, cache_dir, progress)
+        report["onpolicy"] = onpolicy_section(report, onpolicy, steps=budgets[0])
+    return _rewrite(report, report_dir)
 
 # %% ../nbs/10b_protocol.ipynb #5c7c84bf
 FACTORS = {  # variant name -> (base arm, options): each changes one factor of the base arm's defaults (P-KL measured forward)

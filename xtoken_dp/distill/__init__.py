@@ -11,23 +11,26 @@ __all__ = ['TEACHER_CTX', 'STUDENT_CTX', 'DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS'
            'STUDENT_RECIPES', 'load_corpus', 'DemoTokenizers', 'train_tokenizers', 'EvalSet', 'make_eval_set',
            'WindowPlan', 'plan_windows', 'GPTConfig', 'teacher_config', 'student_config', 'TinyGPT', 'TrainConfig',
            'bits_per_byte', 'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'demo_teacher_store',
-           'load_tuning', 'ArmSpec', 'StudentRun', 'CACHED', 'cached_arm', 'StoredSteps', 'train_student', 'DemoConfig',
-           'render_report', 'DemoResult', 'train_arms', 'DemoInputs', 'prepare_demo', 'run_demo']
+           'load_tuning', 'ArmSpec', 'StudentRun', 'CACHED', 'cached_arm', 'StoredSteps', 'ONPOLICY', 'onpolicy_arm',
+           'OnPolicySettings', 'train_onpolicy', 'train_student', 'DemoConfig', 'render_report', 'DemoResult',
+           'train_arms', 'DemoInputs', 'prepare_demo', 'run_demo']
 
 # %% ../../nbs/109_distill.ipynb #240b599d
 from .corpus import STUDENT_RECIPES, Corpus, DemoTokenizers, load_corpus, train_tokenizers
 from .windows import STUDENT_CTX, TEACHER_CTX, EvalSet, WindowPlan, make_eval_set, plan_windows
 from .model import GPTConfig, TinyGPT, TrainConfig, bits_per_byte, student_config, teacher_config
 from .teacher import DemoProjection, TeacherRun, demo_projection, demo_teacher_store, train_teacher
-from .arms import (ARMS, BASE_ARMS, CACHED, DEFAULT_ARMS, DEMO_TUNING_PATH, ArmSpec, StoredSteps, StudentRun, cached_arm, load_tuning,
-                                    train_student)
+from .arms import (ARMS, BASE_ARMS, CACHED, DEFAULT_ARMS, DEMO_TUNING_PATH, ONPOLICY, ArmSpec, StoredSteps,
+                                    StudentRun, cached_arm, load_tuning, onpolicy_arm, train_student)
 from .report import render_report
+from .onpolicy import OnPolicySettings, train_onpolicy
 from .run import PRESETS, DemoConfig, DemoInputs, DemoResult, prepare_demo, run_demo, train_arms
 
 # %% ../../nbs/109_distill.ipynb #86c40c2e
 _all_ = ['TEACHER_CTX', 'STUDENT_CTX', 'DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'PRESETS', 'Corpus',
          'STUDENT_RECIPES', 'load_corpus', 'DemoTokenizers', 'train_tokenizers', 'EvalSet', 'make_eval_set', 'WindowPlan',
          'plan_windows', 'GPTConfig', 'teacher_config', 'student_config', 'TinyGPT', 'TrainConfig', 'bits_per_byte',
-         'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'demo_teacher_store', 'load_tuning', 'ArmSpec', 'StudentRun', 'CACHED', 'cached_arm', 'StoredSteps',
+         'TeacherRun', 'train_teacher', 'DemoProjection', 'demo_projection', 'demo_teacher_store', 'load_tuning', 'ArmSpec',
+         'StudentRun', 'CACHED', 'cached_arm', 'StoredSteps', 'ONPOLICY', 'onpolicy_arm', 'OnPolicySettings', 'train_onpolicy',
          'train_student', 'DemoConfig', 'render_report', 'DemoResult', 'train_arms', 'DemoInputs', 'prepare_demo',
          'run_demo']

@@ -31,8 +31,9 @@ from .model import (ArmStack, TinyGPT, TrainConfig, arms_bits_per_byte, clip_gra
                                      dp_rank_world, dp_shard, make_optimizer, next_token_ce)
 
 # %% auto #0
-__all__ = ['DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'CACHED', 'load_tuning', 'ArmSpec', 'cached_arm',
-           'StoredSteps', 'StudentRun', 'resolve_arms', 'train_student']
+__all__ = ['DEMO_TUNING_PATH', 'BASE_ARMS', 'ARMS', 'DEFAULT_ARMS', 'CACHED', 'ONPOLICY', 'load_tuning', 'ArmSpec', 'cached_arm',
+           'onpolicy_arm', 'arm_loss_config', 'StoredSteps', 'StudentRun', 'resolve_arms', 'curve_rows',
+           'all_reduce_grads', 'train_student']
 
 # %% ../../nbs/105_distill_arms.ipynb #5fe805d3
 DEMO_TUNING_PATH = Path(xtoken_dp.__file__).parent / "demo_tuning.json"  # written by `xtoken-dp tune`, read by the demo
@@ -51,6 +52,7 @@ class ArmSpec:
     weight: float = 1.0 # KD weight (0 for CE only)
     label: str = "" # a short description for the report
     teacher: str = "live" # "live": a teacher forward at every step; "cached": the teacher's top-k signals from the run's store
+    onpolicy: bool = False # its KD term is computed on the student's own continuations of the windows' prompts (`xtoken_dp.distill.onpolicy`)
 
 BASE_ARMS: dict[str, ArmSpec] = {a.name: a for a in [  # each arm's loss mode and fixed options; weight and κ (τ for ALM) come from the tuning record
     ArmSpec("ce", "ce", weight=0.0, label="CE only"),
@@ -74,6 +76,7 @@ def _tuned_arm(arm: ArmSpec, tuning: dict | None) -> ArmSpec:
 ARMS: dict[str, ArmSpec] = {n: _tuned_arm(a, load_tuning()) for n, a in BASE_ARMS.items()}
 DEFAULT_ARMS: tuple[str, ...] = tuple(ARMS)
 CACHED = ":cached"  # an arm name with this suffix reads the teacher from the store: "gold:cached"
+ONPOLICY = ":onpolicy"  # an arm name with this suffix distills on the student's own continuations: "gold:onpolicy"
 
 def cached_arm(arm: ArmSpec) -> ArmSpec:
     "`arm` trained from the teacher store (sparse top-k signals, no teacher forward), named `<arm>:cached`."
@@ -81,8 +84,15 @@ def cached_arm(arm: ArmSpec) -> ArmSpec:
     if arm.teacher == "cached": return arm
     return dataclasses.replace(arm, name=arm.name + CACHED, teacher="cached", label=arm.label + "; teacher read from the store")
 
+def onpolicy_arm(arm: ArmSpec) -> ArmSpec:
+    "`arm` with its KD term on the student's own continuations on a share of the steps, named `<arm>:onpolicy`."
+    if arm.mode == "ce": raise ValueError(f"arm: {arm.name!r} is CE only and has no KD term to take on-policy")
+    if arm.teacher != "live": raise ValueError(f"arm: {arm.name!r} reads the teacher store; on-policy text needs the live teacher")
+    if arm.onpolicy: return arm
+    return dataclasses.replace(arm, name=arm.name + ONPOLICY, onpolicy=True, label=arm.label + "; KD on the student's own continuations")
+
 # %% ../../nbs/105_distill_arms.ipynb #c0b6fd6f
-def _arm_loss_config(
+def arm_loss_config(
     arm: ArmSpec, # a KD arm
     *,
     projection_path, # the demo's projection file (read by pkl, gold and hkl)
@@ -202,10 +212,11 @@ def resolve_arms(arms) -> list[ArmSpec]:
     out = []
     for arm in arms:
         if isinstance(arm, str):
-            base = arm.removesuffix(CACHED)
+            base = arm.removesuffix(CACHED).removesuffix(ONPOLICY)
             if base not in ARMS:
-                raise ValueError(f"arms: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}, each KD arm also as <arm>{CACHED}")
-            arm = cached_arm(ARMS[base]) if arm.endswith(CACHED) else ARMS[base]
+                raise ValueError(f"arms: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}, each KD arm also as "
+                                 f"<arm>{CACHED} or <arm>{ONPOLICY}")
+            arm = cached_arm(ARMS[base]) if arm.endswith(CACHED) else onpolicy_arm(ARMS[base]) if arm.endswith(ONPOLICY) else ARMS[base]
         if not isinstance(arm, ArmSpec): raise TypeError(f"arms: expected names or ArmSpec, got {type(arm).__name__}")
         if arm.teacher not in ("live", "cached"):
             raise ValueError(f"arms: {arm.name!r} has teacher {arm.teacher!r}; expected 'live' or 'cached'")
@@ -216,7 +227,11 @@ def resolve_arms(arms) -> list[ArmSpec]:
     return out
 
 # %% ../../nbs/105_distill_arms.ipynb #a0be7944
-def _curve_rows(points: dict[int, float], ce: list[float], kd: list[float]) -> list[dict]:
+def curve_rows(
+    points: dict[int, float], # step -> evaluation BPB
+    ce: list[float], # training CE per update
+    kd: list[float], # training KD term per update
+) -> list[dict]:
     "Curve points with the mean training losses of the updates since the previous point (step 0: the first update's)."
     rows, previous = [], 0
     for step in sorted(points):
@@ -226,7 +241,10 @@ def _curve_rows(points: dict[int, float], ce: list[float], kd: list[float]) -> l
         previous = step
     return rows
 
-def _all_reduce_grads(params, group) -> None:
+def all_reduce_grads(
+    params, # parameters whose gradients are summed over the ranks
+    group, # the data-parallel group
+) -> None:
     "Sum the gradients over the data-parallel group in one all-reduce of one flat buffer."
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -257,7 +275,7 @@ class _Lockstep:
         if self.rows % self.world:
             raise ValueError(f"plan: {self.rows} windows per step cannot be split evenly over {self.world} ranks")
         self.mine = dp_shard(self.rows, self.rank, self.world)
-        self.configs = {a.name: _arm_loss_config(a, projection_path=projection_path, student_vocab_size=len(toks.student),
+        self.configs = {a.name: arm_loss_config(a, projection_path=projection_path, student_vocab_size=len(toks.student),
                                                  teacher_vocab_size=len(toks.teacher)) for a in self.kd_arms}
         self.batcher = StepBatcher(toks.student, toks.teacher)
         if batched:
@@ -292,7 +310,7 @@ class _Lockstep:
         models = self.students.unstack() if isinstance(self.students, ArmStack) else self.students
         n, steps = len(self.arms), len(self.plan)
         return {a.name: StudentRun(a.name, self.plan.seed, models[i].eval(), self.ce_hist[i], self.kd_hist[i],
-                                   _curve_rows(self.points[i], self.ce_hist[i], self.kd_hist[i]) if self.points[i] else [],
+                                   curve_rows(self.points[i], self.ce_hist[i], self.kd_hist[i]) if self.points[i] else [],
                                    finals[i], (self.step_s + self.eval_s) / n, self.step_s / steps / n, self.eval_s / n,
                                    self.ratios[i])
                 for i, a in enumerate(self.arms)}
@@ -368,6 +386,9 @@ def train_student(
 ) -> dict[str, StudentRun]:
     "Train every arm of one seed in lockstep from one initialisation on one window plan."
     arms = resolve_arms(arms)
+    if any(a.onpolicy for a in arms):
+        raise ValueError(f"arms: {[a.name for a in arms if a.onpolicy]} learn from their own samples; train them with "
+                         "xtoken_dp.distill.onpolicy.train_onpolicy, not in lockstep")
     live = [a.name for a in arms if a.mode != "ce" and a.teacher == "live"]
     cached = [a.name for a in arms if a.teacher == "cached"]
     if (live or cached) and projection_path is None: raise ValueError(f"projection_path: KD arms {live + cached} need a projection")
@@ -414,7 +435,7 @@ def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, c
         opt.zero_grad(set_to_none=True)
         sum(total).backward()
         params = list(students.parameters())
-        if world > 1: _all_reduce_grads(params, group)
+        if world > 1: all_reduce_grads(params, group)
         clip_grad_norm_per_arm_(params, train.clip_norm)
         opt.step(); sched.step()
         return list(ce), list(kd)
@@ -424,7 +445,7 @@ def _step_arms(arms, students, optimizers, batch, signal, n_tok, train, world, c
         ce, kd, total = losses(arm, logits); clock("losses")
         opt.zero_grad(set_to_none=True)
         total.backward()
-        if world > 1: _all_reduce_grads(list(model.parameters()), group)
+        if world > 1: all_reduce_grads(list(model.parameters()), group)
         nn.utils.clip_grad_norm_(model.parameters(), train.clip_norm)
         opt.step(); sched.step()
         ces.append(ce); kds.append(kd)

@@ -82,6 +82,7 @@ def _mode_text(arm: dict) -> str:
              (k.replace("_", " ") if v is True else f"{k.replace('_', ' ')}={v}") for k, v in shown.items()]
     if arm["mode"] != "ce" and arm["weight"] != 1.0: parts.append(f"weight {arm['weight']:g}")
     if arm.get("teacher") == "cached": parts.append(f"teacher store, k={arm['teacher_k']}")
+    if arm.get("onpolicy"): parts.append(f"on-policy λ={arm['onpolicy']['lmbda']:g}")
     return arm["mode"] + (f" ({', '.join(parts)})" if parts else "")
 
 def _report_table(results: dict) -> list[str]:
@@ -187,6 +188,7 @@ def build_results(config, arms, corpus, toks, eval_set, curve_set, alignment, pr
         arm_results[a.name] = dict(mode=a.mode, label=a.label, weight=a.weight, options=a.options,
                                    weight_overridden=a.name in config.kd_weights, seeds=seeds)
         if a.teacher == "cached": arm_results[a.name].update(teacher="cached", teacher_k=config.teacher_k)
+        if a.onpolicy: arm_results[a.name]["onpolicy"] = asdict(config.onpolicy_settings)
     summarise_arms(arm_results)
     report = projection.report
     results = dict(

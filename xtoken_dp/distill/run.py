@@ -24,6 +24,7 @@ from .model import TinyGPT, TrainConfig, bits_per_byte, student_config
 from .teacher import DemoProjection, TeacherRun, demo_projection, demo_teacher_store, train_teacher
 from .arms import ARMS, CACHED, DEFAULT_ARMS, ArmSpec, StudentRun, cached_arm, resolve_arms, train_student
 from .report import build_results, format_timings, render_report, write_outputs
+from .onpolicy import OnPolicySettings, train_onpolicy
 
 # %% auto #0
 __all__ = ['PRESETS', 'DemoConfig', 'DemoResult', 'train_arms', 'DemoInputs', 'prepare_demo', 'run_demo']
@@ -53,6 +54,10 @@ class DemoConfig:
     teacher_k: int = 64 # support ids kept per teacher token in the store (cached arms)
     teacher_store: str | None = None # the store's directory (None: `teacher-store-<weights>-k<k>/` in the cache)
     student_tokenizer: str = "unigram" # the student tokenizer's recipe: "unigram" (the demo's) or "bpe" (a second student)
+    lmbda: float = 0.5 # on-policy arms (`<arm>:onpolicy`): the share of steps whose KD term reads the student's continuations
+    prompt_tokens: int = 24 # on-policy arms: student tokens of a window kept as the prompt
+    max_new_tokens: int = 32 # on-policy arms: tokens the student samples per prompt
+    temperature: float = 1.0 # on-policy arms: sampling temperature
     batched: bool = True # train the arms of a seed as one `ArmStack`
     out_dir: str = "demo_out" # output folder
     cache_dir: str | None = None # tokenizer, teacher and projection cache; `out_dir/cache` by default
@@ -80,6 +85,7 @@ class DemoConfig:
         if not isinstance(self.seed_offset, int) or self.seed_offset < 0:
             raise ValueError(f"seed_offset: expected an integer >= 0, got {self.seed_offset!r}")
         self.arm_specs()  # names known, distinct (also once the cached option renames the KD arms)
+        self.onpolicy_settings  # the on-policy knobs checked
         for arm, weight in self.kd_weights.items():
             if arm.removesuffix(CACHED) not in ARMS: raise ValueError(f"kd_weights: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")
             if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
@@ -94,11 +100,14 @@ class DemoConfig:
     def seed_list(self) -> list[int]: return list(range(self.seed_offset, self.seed_offset + self.seeds))
     @property
     def threads_per_process(self) -> int: return max(1, self.threads // self.dp)
+    @property
+    def onpolicy_settings(self) -> OnPolicySettings:
+        return OnPolicySettings(self.lmbda, self.prompt_tokens, self.max_new_tokens, self.temperature)
 
     def arm_specs(self) -> list[ArmSpec]:
         "The arms of the run with the KD-weight overrides applied."
         specs = resolve_arms(self.arms)
-        if self.teacher == "cached": specs = resolve_arms([a if a.mode == "ce" else cached_arm(a) for a in specs])
+        if self.teacher == "cached": specs = resolve_arms([a if a.mode == "ce" or a.onpolicy else cached_arm(a) for a in specs])
         weight = lambda a: self.kd_weights.get(a.name, self.kd_weights.get(a.name.removesuffix(CACHED), a.weight))
         return [dataclasses.replace(a, weight=float(weight(a))) for a in specs]
 
@@ -165,7 +174,7 @@ def _student_job(config, arms, corpus, toks, teacher, projection, eval_set, curv
     live = any(a.mode != "ce" and a.teacher == "live" for a in arms)  # without one, the students' processes never see the teacher
     return dict(arms=arms, plans=plans, inits=inits, toks=toks, store=store,
                 teacher=dict(config=teacher.config, state=teacher.state_dict()) if live else None,
-                projection_path=str(projection.path), eval_set=eval_set, curve_set=curve_set, curve_every=config.curve_every,
+                projection_path=str(projection.path), onpolicy=config.onpolicy_settings, eval_set=eval_set, curve_set=curve_set, curve_every=config.curve_every,
                 batched=config.batched, via_ipc=config.via_ipc, progress=config.progress, threads=config.threads_per_process)
 
 def _run_student_job(job: dict) -> tuple[dict, dict]:
@@ -177,11 +186,19 @@ def _run_student_job(job: dict) -> tuple[dict, dict]:
     runs, phases = {}, {}
     for seed, plan in job["plans"].items():
         init = TinyGPT(student_config(len(job["toks"].student))); init.load_state_dict(job["inits"][seed])
-        seed_runs = train_student(init, job["arms"], plan, job["toks"], teacher=teacher, projection_path=job["projection_path"],
-                                  teacher_store=store,
-                                  eval_set=job["eval_set"], curve_set=job["curve_set"], curve_every=job["curve_every"],
-                                  batched=job["batched"], via_ipc=job["via_ipc"], progress=job["progress"], timings=phases)
-        runs.update({(name, seed): run for name, run in seed_runs.items()})
+        lockstep = [a for a in job["arms"] if not a.onpolicy]
+        if lockstep:
+            seed_runs = train_student(init, lockstep, plan, job["toks"], teacher=teacher, projection_path=job["projection_path"],
+                                      teacher_store=store, eval_set=job["eval_set"], curve_set=job["curve_set"],
+                                      curve_every=job["curve_every"], batched=job["batched"], via_ipc=job["via_ipc"],
+                                      progress=job["progress"], timings=phases)
+            runs.update({(name, seed): run for name, run in seed_runs.items()})
+        for arm in (a for a in job["arms"] if a.onpolicy):
+            clock = {}
+            runs[(arm.name, seed)] = train_onpolicy(init, arm, plan, job["toks"], teacher=teacher, projection_path=job["projection_path"],
+                                                    settings=job["onpolicy"], eval_set=job["eval_set"], curve_set=job["curve_set"],
+                                                    curve_every=job["curve_every"], progress=job["progress"], timings=clock)
+            for name, secs in clock.items(): phases[f"on-policy: {name}"] = phases.get(f"on-policy: {name}", 0.0) + secs
     return runs, phases
 
 def _dp_worker_main(argv: Sequence[str] | None = None) -> int:
