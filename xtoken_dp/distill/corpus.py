@@ -154,19 +154,28 @@ def _add_start_marker(backend: Tokenizer) -> Tokenizer:
         single=f"{_EOS_TOKEN} $A", special_tokens=[(_EOS_TOKEN, backend.token_to_id(_EOS_TOKEN))])
     return backend
 
-def _build_teacher_tokenizer(
+def _byte_level_bpe(
     texts: Sequence[str], # training texts
-    vocab_size: int = _TEACHER_VOCAB_SIZE, # the vocabulary size, specials included
+    vocab_size: int, # the vocabulary size, specials included
+    split_digits: bool, # one token per digit
 ) -> Tokenizer:
-    "The teacher's byte-level BPE with one token per digit and the `<|endoftext|>` start marker."
+    "A byte-level BPE with the demo's specials and the `<|endoftext|>` start marker."
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits
+                             else byte_level)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(list(texts), trainer=trainer)
     return _add_start_marker(backend)
+
+def _build_teacher_tokenizer(
+    texts: Sequence[str], # training texts
+    vocab_size: int = _TEACHER_VOCAB_SIZE, # the vocabulary size, specials included
+) -> Tokenizer:
+    "The teacher's byte-level BPE with one token per digit and the `<|endoftext|>` start marker."
+    return _byte_level_bpe(texts, vocab_size, split_digits=True)
 
 # %% ../../nbs/101_distill_corpus.ipynb #c9d0705c
 def _student_sample(
@@ -201,13 +210,7 @@ def _build_student_bpe(
     vocab_size: int = _STUDENT_VOCAB_SIZE, # the vocabulary size, specials included
 ) -> Tokenizer:
     "The second student's byte-level BPE: no digit splitting (unlike the teacher's), its own merges, the start marker."
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[_EOS_TOKEN, _PAD_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(list(texts), trainer=trainer)
-    return _add_start_marker(backend)
+    return _byte_level_bpe(texts, vocab_size, split_digits=False)
 
 def _canonical_unigram(
     backend: Tokenizer, # a trained Unigram tokenizer whose specials are its first ids
