@@ -571,7 +571,7 @@ def collate_completions(completions: Sequence[Completion], # sampled rows
                               make_seq_div_by_teacher=make_seq_div_by_teacher)
 
 
-# %% ../../nbs/09c_onpolicy_generate.ipynb #978ad193
+# %% ../../nbs/09c_onpolicy_generate.ipynb #944833db
 def teacher_views(completions: Sequence[Completion], # sampled rows
                   aligner: TokenAligner, # the student's and the teacher's tokenizers
                   rows: Sequence[CompletionAlignment] | None = None, # `align_completions(completions, aligner)`, if already made
