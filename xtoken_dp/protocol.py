@@ -240,44 +240,44 @@ def report_markdown(
     return "\n".join(lines) + "\n"
 
 # %% ../nbs/10b_protocol.ipynb #ce7e3450
-def twin_section(
-    report: dict, # `full_report`'s output (or the committed report), holding the twins' base arms at `steps`
-    results: dict, # the `results.json` of a run with `ce` and `<arm><suffix>` arms on the report's seeds and windows
-    *,
-    steps: int, # the budget both ran at
-    suffix: str, # the twins' name suffix: ":cached" or ":onpolicy"
-    tol: float = 1e-5, # how far the run's `ce` BPB may be from the report's, per seed (summation order moves the last digits)
-) -> dict:
-    "Each `<arm><suffix>` beside its base arm of the report: per seed both BPBs, the paired Δ twin − base and twin − CE with 95% intervals."
-    budget = report["budgets"][str(steps)]
-    ce = budget["arms"]["ce"]["bpb"]
-    rerun = {k: s["final_bpb"] for k, s in results["arms"]["ce"]["seeds"].items()}
-    if set(rerun) != set(ce) or any(abs(rerun[k] - ce[k]) > tol for k in ce):
-        raise ValueError(f"results: its ce BPB per seed {rerun} differs from the report's {ce} at {steps} steps, so the runs did not "
-                         "share their seeds, windows and initialisations")
-    arms = {}
-    for name, arm in results["arms"].items():
-        if not name.endswith(suffix): continue
-        base = budget["arms"][name.removesuffix(suffix)]["bpb"]
-        twin = {k: s["final_bpb"] for k, s in arm["seeds"].items()}
-        vs_base, vs_ce = paired_interval([twin[s] - base[s] for s in ce]), paired_interval([twin[s] - ce[s] for s in ce])
-        arms[name.removesuffix(suffix)] = dict(mode=arm["mode"], weight=arm["weight"], options=arm["options"], base=base, twin=twin,
-                                               vs_base=vs_base, vs_ce=vs_ce, verdict=_verdict(vs_ce),
-                                               within_noise=vs_base["lo"] is not None and vs_base["lo"] <= 0 <= vs_base["hi"])
-    return dict(steps=steps, seeds=len(ce), ce_max_diff=max(abs(rerun[k] - ce[k]) for k in ce), arms=arms)
+def _seed_bpb(results: dict, arm: str) -> dict[str, float]:
+    return {k: v["final_bpb"] for k, v in results["arms"][arm]["seeds"].items()}
 
-def cached_section(report: dict, results: dict, *, steps: int, tol: float = 1e-5) -> dict:
+def twin_section(
+    base: dict, # the `results.json` of a run holding `ce` and the base arms (the twins' own run, or one on the same seeds and windows)
+    twins: dict, # the `results.json` of the run holding `ce` and the `<arm><suffix>` arms
+    *,
+    suffix: str, # the twins' name suffix: ":cached" or ":onpolicy"
+    tol: float = 1e-9, # how far the two runs' `ce` BPB may be apart, per seed (0 when they are one run)
+) -> dict:
+    "Each `<arm><suffix>` beside its base arm: per seed both BPBs, the paired Δ twin − base and twin − CE with 95% intervals."
+    ce, rerun = _seed_bpb(base, "ce"), _seed_bpb(twins, "ce")
+    if set(rerun) != set(ce) or any(abs(rerun[k] - ce[k]) > tol for k in ce):
+        raise ValueError(f"twins: its ce BPB per seed {rerun} differs from the base run's {ce}, so the runs did not share their "
+                         "seeds, windows, initialisations and arithmetic")
+    arms = {}
+    for name, arm in twins["arms"].items():
+        if not name.endswith(suffix): continue
+        base_bpb, twin = _seed_bpb(base, name.removesuffix(suffix)), _seed_bpb(twins, name)
+        vs_base, vs_ce = paired_interval([twin[s] - base_bpb[s] for s in ce]), paired_interval([twin[s] - ce[s] for s in ce])
+        arms[name.removesuffix(suffix)] = dict(mode=arm["mode"], weight=arm["weight"], options=arm["options"], base=base_bpb,
+                                               twin=twin, vs_base=vs_base, vs_ce=vs_ce, verdict=_verdict(vs_ce),
+                                               within_noise=vs_base["lo"] is not None and vs_base["lo"] <= 0 <= vs_base["hi"])
+    return dict(steps=twins["config"]["student_steps"], seeds=len(ce), same_run=base is twins,
+                ce_max_diff=max(abs(rerun[k] - ce[k]) for k in ce), arms=arms)
+
+def cached_section(base: dict, twins: dict, *, tol: float = 1e-9) -> dict:
     "`twin_section` of the `<arm>:cached` arms, with the store's top-k and size."
-    store = results.get("teacher_store") or {}
-    return dict(twin_section(report, results, steps=steps, suffix=CACHED, tol=tol), k=store.get("k"),
+    store = twins.get("teacher_store") or {}
+    return dict(twin_section(base, twins, suffix=CACHED, tol=tol), k=store.get("k"),
                 bytes_per_token=store.get("bytes_per_token"), store_windows=store.get("stored_windows"))
 
-def onpolicy_section(report: dict, results: dict, *, steps: int, tol: float = 1e-5) -> dict:
+def onpolicy_section(base: dict, twins: dict, *, tol: float = 1e-9) -> dict:
     "`twin_section` of the `<arm>:onpolicy` arms, with their settings and the on-policy phases' seconds per on-policy step."
-    section = twin_section(report, results, steps=steps, suffix=ONPOLICY, tol=tol)
-    settings = next((a["onpolicy"] for a in results["arms"].values() if a.get("onpolicy")), {})
-    timings = results.get("timings", {})
-    n_on = round(settings.get("lmbda", 0) * steps) * section["seeds"] * len(section["arms"])
+    section = twin_section(base, twins, suffix=ONPOLICY, tol=tol)
+    settings = next((a["onpolicy"] for a in twins["arms"].values() if a.get("onpolicy")), {})
+    timings = twins.get("timings", {})
+    n_on = round(settings.get("lmbda", 0) * section["steps"]) * section["seeds"] * len(section["arms"])
     profile = {k.removeprefix("  on-policy: "): v / max(n_on, 1) for k, v in timings.items() if k.startswith("  on-policy: ")}
     return dict(section, settings=settings, seconds_per_onpolicy_step=profile)
 
@@ -293,8 +293,10 @@ def _twin_rows(section: dict, suffix: str, base_word: str, twin_word: str) -> li
                         f"{', '.join(f'`{n}`' for n in inside) or 'none'}; outside it: {', '.join(f'`{n}`' for n in outside) or 'none'}."]
 
 def _same_runs(section: dict, what: str) -> str:
-    return (f"{section['steps']} student steps, the same {section['seeds']} seeds, windows and initialisations as above: `ce` retrained "
-            f"beside the {what} lands within {section['ce_max_diff']:.1e} BPB of the table's on every seed")
+    diff = "bit for bit" if section["ce_max_diff"] == 0 else f"to {section['ce_max_diff']:.0e} BPB"
+    same = ("in one run with them" if section["same_run"] else
+            f"in another run on the same seeds, windows and initialisations, whose `ce` equals theirs {diff} on every seed")
+    return f"{section['steps']} student steps, {section['seeds']} seeds; the base arms trained {same}"
 
 def cached_markdown(section: dict) -> list[str]:
     "The cached section's lines: one row per cached arm, then which arms stay within the seeds' noise of their live twin."
@@ -312,12 +314,11 @@ def onpolicy_markdown(section: dict) -> list[str]:
         ["", f"Step profile of the on-policy arms, per on-policy step (both ranks' work, the phases of off-policy steps "
              f"included in their sums): {profile}."] if prof else [])
 
-def _twin_results(report: dict, steps: int, suffix: str, arms, out_dir, cache_dir, progress: bool, **settings) -> dict:
-    "The `results.json` of `ce` and the `suffix` twins of `arms` (None: every KD arm) on the report's seeds and windows at `steps`."
-    budget = report["budgets"][str(steps)]
-    arms = [n for n, a in budget["arms"].items() if a["mode"] != "ce"] if arms is None else list(arms)
-    config = DemoConfig(seeds=budget["seeds"], student_steps=steps, arms=("ce", *(a + suffix for a in arms)),
-                        eval_windows=budget["eval_windows"], out_dir=f"{out_dir}/{suffix.strip(':')}{steps}",
+def _twin_results(seeds: int, steps: int, eval_windows: int, suffix: str, arms, out_dir, cache_dir, progress: bool,
+                  with_base: bool = True, **settings) -> dict:
+    "The `results.json` of `ce`, the `suffix` twins of `arms` and (`with_base`) the arms themselves, in one run."
+    config = DemoConfig(seeds=seeds, student_steps=steps, arms=("ce", *(arms if with_base else ()), *(a + suffix for a in arms)),
+                        eval_windows=eval_windows, out_dir=f"{out_dir}/{suffix.strip(':')}{steps}",
                         cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False,
                         **settings)
     return run_demo(config).results
@@ -330,24 +331,26 @@ def _rewrite(report: dict, report_dir) -> dict:
 
 def run_cached_report(
     *,
-    report_dir=".", # where demo_report.json (with the live arms) is read and the report is written back
-    steps: int = 300, # the budget of the cached arms (one of the report's)
+    report_dir=".", # where demo_report.json is read and the report is written back with its cached section
+    seeds: int = 5, # seeds 0..seeds-1
+    steps: int = 300, # student steps
     k: int = 64, # top-k ids per teacher token in the store
-    arms: Sequence[str] | None = None, # the KD arms to rerun cached (None: every KD arm of the report at `steps`)
+    arms: Sequence[str] = ("pkl", "gold", "hkl", "alm", "uld", "overlap"), # the KD arms, each trained live and cached
     out_dir="demo_full", # the run's outputs go to out_dir/cached<steps>
     cache_dir=None, # the demo's cache; `out_dir/cache` by default
     progress: bool = True, # progress bars
 ) -> dict:
-    "Train `ce` and the cached twins of the report's KD arms on its seeds, add the cached section, rewrite the report."
+    "Train `ce`, `arms` and their cached twins in one run, add the cached section to the report and rewrite it."
     report = json.loads((Path(report_dir) / "demo_report.json").read_text())
-    results = _twin_results(report, steps, CACHED, arms, out_dir, cache_dir, progress, teacher_k=k)
-    return _rewrite(dict(report, cached=cached_section(report, results, steps=steps)), report_dir)
+    results = _twin_results(seeds, steps, 256, CACHED, arms, out_dir, cache_dir, progress, teacher_k=k)
+    return _rewrite(dict(report, cached=cached_section(results, results)), report_dir)
 
 def run_onpolicy_report(
     *,
-    report_dir=".", # where demo_report.json (with the off-policy arms) is read and the report is written back
-    steps: int = 300, # the budget (one of the report's)
-    arms: Sequence[str] = ("gold", "hkl"), # the KD arms to rerun on-policy
+    report_dir=".", # where demo_report.json is read and the report is written back with its on-policy section
+    seeds: int = 5, # seeds 0..seeds-1
+    steps: int = 300, # student steps
+    arms: Sequence[str] = ("gold", "hkl"), # the KD arms, each trained off-policy and on-policy
     lmbda: float = 0.5, # share of on-policy steps
     max_new_tokens: int = 32, # tokens sampled per prompt
     temperature: float = 1.0, # sampling temperature
@@ -355,11 +358,11 @@ def run_onpolicy_report(
     cache_dir=None, # the demo's cache; `out_dir/cache` by default
     progress: bool = True, # progress bars
 ) -> dict:
-    "Train `ce` and the on-policy twins of `arms` on the report's seeds, add the on-policy section, rewrite the report."
+    "Train `ce`, `arms` and their on-policy twins in one run, add the on-policy section to the report and rewrite it."
     report = json.loads((Path(report_dir) / "demo_report.json").read_text())
-    results = _twin_results(report, steps, ONPOLICY, arms, out_dir, cache_dir, progress, lmbda=lmbda,
+    results = _twin_results(seeds, steps, 256, ONPOLICY, arms, out_dir, cache_dir, progress, lmbda=lmbda,
                             max_new_tokens=max_new_tokens, temperature=temperature)
-    return _rewrite(dict(report, onpolicy=onpolicy_section(report, results, steps=steps)), report_dir)
+    return _rewrite(dict(report, onpolicy=onpolicy_section(results, results)), report_dir)
 
 # %% ../nbs/10b_protocol.ipynb #1c0979bd
 def run_full_report(
@@ -381,13 +384,14 @@ def run_full_report(
                             cache_dir=cache_dir if cache_dir is not None else f"{out_dir}/cache", progress=progress, verbose=False)
         runs[steps] = run_demo(config).results
     report = dict(full_report(runs), tuning=runs[budgets[0]].get("tuning"))
+    first = runs[budgets[0]]  # the twins are paired with the arms of the first budget's run (same seeds, windows, arithmetic)
     if cached_k is not None:
         kd = [a for a in arms if ARMS[a].mode != "ce"]
-        cached = _twin_results(report, budgets[0], CACHED, kd, out_dir, cache_dir, progress, teacher_k=cached_k)
-        report["cached"] = cached_section(report, cached, steps=budgets[0])
+        cached = _twin_results(seeds, budgets[0], 256, CACHED, kd, out_dir, cache_dir, progress, with_base=False, teacher_k=cached_k)
+        report["cached"] = cached_section(first, cached)
     if onpolicy_arms:
-        onpolicy = _twin_results(report, budgets[0], ONPOLICY, onpolicy_arms, out_dir, cache_dir, progress)
-        report["onpolicy"] = onpolicy_section(report, onpolicy, steps=budgets[0])
+        onpolicy = _twin_results(seeds, budgets[0], 256, ONPOLICY, onpolicy_arms, out_dir, cache_dir, progress, with_base=False)
+        report["onpolicy"] = onpolicy_section(first, onpolicy)
     return _rewrite(report, report_dir)
 
 # %% ../nbs/10b_protocol.ipynb #5c7c84bf
