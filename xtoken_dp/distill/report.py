@@ -61,6 +61,12 @@ def summarise_arms(arms: dict) -> None:
             arm["delta_mean"], arm["delta_sd"] = _mean_sd(deltas)
             arm["seeds_improved"] = sum(d < 0 for d in deltas)
 
+def _base_arm(name: str) -> str: return name.split(":")[0]  # "gold:cached" -> "gold"
+
+def _family(arms) -> list[str]:
+    "The projection-family arms of a run (cached and on-policy twins included), in the family's order."
+    return sorted((n for n in arms if _base_arm(n) in _PROJECTION_FAMILY), key=lambda n: (_PROJECTION_FAMILY.index(_base_arm(n)), n))
+
 def _bar_checks(
     results: dict, # `results.json` content with summarised arms
 ) -> dict:
@@ -68,7 +74,7 @@ def _bar_checks(
     arms, teacher = results["arms"], results["teacher"]["bpb"]
     a = all(teacher < s["final_bpb"] for arm in arms.values() for s in arm["seeds"].values())
     if "ce" not in arms: return dict(a=a, b=None, c=None, b_arms=[], best_arm=None, best_delta=None)
-    every_seed = [n for n in _PROJECTION_FAMILY if n in arms and arms[n]["seeds_improved"] == len(arms[n]["seeds"])]
+    every_seed = [n for n in _family(arms) if arms[n]["seeds_improved"] == len(arms[n]["seeds"])]
     kd = {n: arm["delta_mean"] for n, arm in arms.items() if n != "ce"}
     best = min(kd, key=kd.get) if kd else None
     return dict(a=a, b=bool(every_seed), c=best is not None and kd[best] <= _GAIN_BAR, b_arms=every_seed, best_arm=best,
@@ -110,7 +116,7 @@ def _bar_notes(results: dict) -> list[str]:
              "**The teacher's BPB is not below every student arm's.**"]
     if check["b"] is not None:
         notes.append(f"Ahead of CE on every seed: {', '.join(f'`{n}`' for n in check['b_arms'])}." if check["b"] else
-                     f"**No arm of {', '.join(f'`{n}`' for n in _PROJECTION_FAMILY if n in arms)} is ahead of CE on every seed.**")
+                     f"**No arm of {', '.join(f'`{n}`' for n in _family(arms))} is ahead of CE on every seed.**")
         if check["best_arm"] is not None:
             gain = f"best KD arm `{check['best_arm']}`: mean Δ = {check['best_delta']:+.3f} bits per byte"
             notes.append(f"The {gain} (the bar is {_GAIN_BAR:+.3f})." if check["c"] else f"**The {gain}, short of the {_GAIN_BAR:+.3f} bar.**")
@@ -136,7 +142,7 @@ def _run_notes(results: dict) -> list[str]:
     notes.append(f"Measured at a fixed small budget of {cfg['student_steps']} student steps per arm "
                  f"({_plural(cfg['seeds'], 'seed')}, {ev['used']} held-out windows of {ev['chars']} characters); the curves "
                  f"show how the gaps develop, and gains at other budgets can differ.")
-    not_run = [a for a in ARMS if a not in arms]
+    not_run = [a for a in ARMS if a not in {_base_arm(n) for n in arms}]
     if not_run: notes.append(f"Arms not in this run: {', '.join(not_run)}.")
     return notes
 
