@@ -27,7 +27,7 @@ from ..distill import (STUDENT_CTX, TEACHER_CTX, TinyGPT, demo_projection, load_
 from ..distill.onpolicy import fit_teacher_context, window_prompt
 
 # %% auto #0
-__all__ = ['PHASES', 'Setup', 'setup', 'in_process', 'served', 'served_floor', 'breakdown_rows', 'lag_rows', 'run']
+__all__ = ['POLL_S', 'PHASES', 'Setup', 'setup', 'in_process', 'served', 'served_floor', 'breakdown_rows', 'lag_rows', 'run']
 
 # %% ../../nbs/12l_bench_onpolicy.ipynb #059383d4
 @dataclass
@@ -61,6 +61,12 @@ def setup(steps: int, # rollout batches
     spec = TeacherLossSpec("gold", projection_path=str(demo_projection(toks, cache).path), vocab_size=len(toks.teacher))
     return Setup(toks, teacher, student, prompts, XTokenLossConfig(student_vocab_size=len(toks.student), teachers=[spec]),
                  max_new_tokens, k)
+
+POLL_S = 0.01  # how often a waiting claim looks at the store again, on the trainer's and on the scorer's side
+
+def _actors_plane(client) -> dict:
+    "The scorer actors' data-plane config: the driver's TransferQueue, polled every `POLL_S`."
+    return {"enabled": True, "impl": "transfer_queue", "timeout_s": client.timeout_s, "claim_meta_poll_interval_s": POLL_S}
 
 def _dp_seconds(client) -> float:
     "Seconds the client has spent in data-plane operations so far."
@@ -133,7 +139,8 @@ def served(s: Setup, # the shared setup
           ) -> dict:
     "The teacher in a Ray actor (`ScorerPool`), the trainer here through `OnPolicyFeed`: seconds per step and the trainer's waits."
     student, run = _Student(s), f"bench-served-{prefetch}-{time.time_ns()}"
-    with ScorerPool(ModuleTeacher.of(s.teacher), client, replicas=1, k=s.k) as pool:
+    with ScorerPool(ModuleTeacher.of(s.teacher), client, replicas=1, k=s.k, data_plane=_actors_plane(client),
+                    scorer_poll_s=POLL_S) as pool:
         feed = OnPolicyFeed(client, run, student.produce, student.aligner, pool, steps=steps + 1, score_batch_size=len(s.prompts[0]),
                             prefetch=prefetch)
         it, start, first = iter(feed), None, True
@@ -154,7 +161,8 @@ def served_floor(s: Setup, # the shared setup
                 ) -> dict:
     "The trainer's wait for batches the actor has already scored: the data plane's own latency, the floor of any wait."
     student, run = _Student(s), f"bench-floor-{time.time_ns()}"
-    with ScorerPool(ModuleTeacher.of(s.teacher), client, replicas=1, k=s.k) as pool:
+    with ScorerPool(ModuleTeacher.of(s.teacher), client, replicas=1, k=s.k, data_plane=_actors_plane(client),
+                    scorer_poll_s=POLL_S) as pool:
         sizes = [put_rollout(client, run, n, student.produce(n), student.aligner).size for n in range(steps)]
         pool.serve(run, len(s.prompts[0]), steps)
         deadline = time.monotonic() + timeout_s
@@ -210,7 +218,7 @@ def run(argv: list[str] | None = None # command-line options: --quick, --steps, 
     print_table(breakdown_rows(local), ["phase", "ms", "share"], title=f"in one process: ms per on-policy step "
                 f"({len(s.prompts[0])} prompts, {s.max_new_tokens} new tokens, median-free mean of {steps} steps)")
     from xtoken_dp.dataplane import TransferQueueDataPlane
-    with TransferQueueDataPlane(bootstrap=True) as client:
+    with TransferQueueDataPlane(bootstrap=True, poll_s=POLL_S) as client:
         off, on, floor = served(s, client, steps, prefetch=0), served(s, client, steps, prefetch=1), served_floor(s, client, steps)
     lag = lag_rows(local, off, on, floor)
     print_table(lag, ["run", "step_ms", "wait_ms", "floor_ms", "teacher_ms", "student_ms", "hidden"],

@@ -388,6 +388,7 @@ class ScorerPool:
                  actor_options: Mapping | None = None, # Ray options of each actor (default: num_cpus=0)
                  name: str = "scorer", # prefix of the actors' owner names
                  poll_s: float = 0.2, # the watcher's period
+                 scorer_poll_s: float = 0.05, # each scorer's pause when nothing is claimable (`TeacherScorer`'s poll_s)
                  **scorer_kwargs, # other `TeacherScorer` options (packing, lease_s, device)
                 ):
         import ray
@@ -396,7 +397,7 @@ class ScorerPool:
         opts = {"num_cpus": 0, **(actor_options or {}), "max_concurrency": 4}   # serve, stop, claim and ping at once
         self.owners = [f"{name}-{uuid.uuid4().hex[:6]}-{i}" for i in range(check_int("replicas", replicas, minimum=1))]
         cls = ray.remote(TeacherScorer).options(**opts)
-        self.actors = {o: cls.remote(factory, k=k, data_plane=cfg, owner=o, **scorer_kwargs) for o in self.owners}
+        self.actors = {o: cls.remote(factory, k=k, data_plane=cfg, owner=o, poll_s=scorer_poll_s, **scorer_kwargs) for o in self.owners}
         self.pending = {o: a.ping.remote() for o, a in self.actors.items()}
         self.dead, self.released, self.runs = {}, {}, []
         self._stop = threading.Event()
