@@ -48,14 +48,16 @@ def kd_losses(demo, client, run, scorers, steps=2):
     _, _, student, aligner, config = demo
     feed = OnPolicyFeed(client, run, produce_for(demo), aligner, scorers, steps=steps, score_batch_size=2, prefetch=1,
                         timeout_s=120)
-    losses, keys = [], []
+    losses, keys, lags = [], [], []
     for scored in feed:
+        lags.append(scored.policy_lag)
         with torch.no_grad():
             loss, _ = xtoken_kd_loss(student(scored.batch["input_ids"]), scored.batch, scored.teachers, config=config,
                                      normalizers=compute_global_normalizers(scored.batch, config))
         assert scored.teachers[0].lengths.tolist() == scored.batch["teacher_0_input_lengths"].tolist()
         losses.append(loss.item()); keys.append(list(scored.meta.sample_ids))
         client.ack_meta(scored.meta)
+    assert lags == [min(1, n) for n in range(steps)]  # batch 0 was sampled before any update; later ones one update early
     return losses, keys, feed
 
 

@@ -143,15 +143,16 @@ def served(s: Setup, # the shared setup
                     scorer_poll_s=POLL_S) as pool:
         feed = OnPolicyFeed(client, run, student.produce, student.aligner, pool, steps=steps + 1, score_batch_size=len(s.prompts[0]),
                             prefetch=prefetch)
-        it, start, first = iter(feed), None, True
+        it, start, first, lags = iter(feed), None, True, []
         for n in range(steps + 1):   # batch 0 warms the actor up (its teacher loads and its first forward runs)
             scored = next(it)
             if first: start, first, student.clock = time.perf_counter(), False, {}
             client.ack_meta(scored.meta)
             student.update(scored)
+            lags.append(scored.policy_lag)
         total = time.perf_counter() - start
     waits = feed.waits[1:]
-    return dict(step_s=total / steps, wait_s=sum(waits) / steps, phases={k: v / steps for k, v in student.clock.items()})
+    return dict(step_s=total / steps, wait_s=sum(waits) / steps, policy_lag=max(lags), phases={k: v / steps for k, v in student.clock.items()})
 
 
 def served_floor(s: Setup, # the shared setup
@@ -196,7 +197,7 @@ def lag_rows(local: dict, off: dict, on: dict, floor: dict) -> list[dict]:
     student = local["step_s"] - teacher - local["phases"].get("data_plane", 0.0)
     rows = []
     for name, r in (("lag off (prefetch 0)", off), ("lag on (prefetch 1)", on)):
-        rows.append(dict(run=name, step_ms=r["step_s"] * 1e3, wait_ms=r["wait_s"] * 1e3, floor_ms=floor["wait_s"] * 1e3,
+        rows.append(dict(run=name, policy_lag=r["policy_lag"], step_ms=r["step_s"] * 1e3, wait_ms=r["wait_s"] * 1e3, floor_ms=floor["wait_s"] * 1e3,
                          teacher_ms=teacher * 1e3, student_ms=student * 1e3,
                          hidden=1 - max(r["wait_s"] - floor["wait_s"], 0.0) / teacher))
     return rows
@@ -221,7 +222,7 @@ def run(argv: list[str] | None = None # command-line options: --quick, --steps, 
     with TransferQueueDataPlane(bootstrap=True, poll_s=POLL_S) as client:
         off, on, floor = served(s, client, steps, prefetch=0), served(s, client, steps, prefetch=1), served_floor(s, client, steps)
     lag = lag_rows(local, off, on, floor)
-    print_table(lag, ["run", "step_ms", "wait_ms", "floor_ms", "teacher_ms", "student_ms", "hidden"],
+    print_table(lag, ["run", "policy_lag", "step_ms", "wait_ms", "floor_ms", "teacher_ms", "student_ms", "hidden"],
                 title="the teacher in a Ray actor (TransferQueue): the trainer's wait per step; floor = the wait for batches "
                       "already scored; hidden = 1 - (wait - floor) / teacher (goal >= 0.8 with the lag on when the teacher "
                       "is shorter than the student's step)")

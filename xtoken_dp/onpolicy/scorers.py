@@ -474,6 +474,7 @@ class ScoredBatch(NamedTuple):
     batch: dict  # the flat batch, as `collate_completions` makes it
     teachers: dict  # {0: TeacherSignal}: the losses' teacher input, token for token with `teacher_0_input_ids`
     wait_s: float  # how long the trainer waited for scored samples
+    policy_lag: int = 0  # student updates between sampling this batch and training on it (`OnPolicyFeed`'s prefetch): log it with the loss
 
 
 def _claim_waiting(client, partition_id, fields, batch_size, scorers, timeout_s, slice_s, owner, lease_s) -> KVBatchMeta:
@@ -543,4 +544,4 @@ class OnPolicyFeed:
             self._fill(n + self.prefetch)
             scored = claim_scored(self.client, rollout_partition(self.run, n), self.sizes[n], scorers=self.scorers, **self.claim_kwargs)
             self.waits.append(scored.wait_s)
-            yield scored
+            yield scored._replace(policy_lag=min(self.prefetch, n))  # batch n was sampled before update n - prefetch
