@@ -34,7 +34,7 @@ from .projection import ProjectionPairError, check_projection_pair
 from .losses import (LOSS_MODES, GlobalNormalizers, XTokenLossConfig, combine_losses, compute_global_normalizers,
                               dp_all_reduce_stack, dp_world_size, reduce_metrics, teacher_weights, xtoken_kd_loss)
 from .ipc import TeacherLogitsProducer, TopKTeacherLogits, rebuild_teacher_full_logits_from_ipc
-from .onpolicy.generate import Completion, collate_completions, generate_completions
+from .onpolicy.generate import Completion, collate_completions, generate_completions, teacher_completion_batch
 
 # %% auto #0
 __all__ = ['LOSS_CONFIG_NAME', 'TEACHER_TOKENIZER_DIR', 'STEP_KINDS', 'loss_config_of', 'check_onpolicy_arguments',
@@ -817,19 +817,13 @@ def completion_batch(completions: Sequence[Completion], # the student's ids (sam
     return with_attention_masks(out, cross)
 
 
-_SIDES = (("input_ids", "teacher_0_input_ids"), ("input_lengths", "teacher_0_input_lengths"),
-          ("token_mask", "teacher_0_token_mask"), ("alignment_0_student_chunk_id", "alignment_0_teacher_chunk_id"),
-          ("alignment_0_student_exact_partition_mask", "alignment_0_teacher_exact_partition_mask"))
-
-
 def teacher_sample_batch(completions: Sequence[Completion], # teacher 0's completions, in its own tokenizer's ids
                          collator, # the trainer's CrossTokenizerCollator (one cross-tokenizer teacher)
                          reverse: TokenAligner, # TokenAligner(teacher tokenizer, student tokenizer)
                         ) -> dict:
     "The flat batch of a cross teacher's samples: aligned from the teacher's side, then the sides exchanged, so the student tokenises the text."
-    batch = collate_completions(completions, reverse, make_seq_div_by_student=collator.make_seq_div_by_teachers[0] or 1,
-                                make_seq_div_by_teacher=collator.make_seq_div_by_student)
-    for a, b in _SIDES: batch[a], batch[b] = batch[b], batch[a]
+    batch = teacher_completion_batch(completions, reverse, make_seq_div_by_student=collator.make_seq_div_by_student,
+                                     make_seq_div_by_teacher=collator.make_seq_div_by_teachers[0] or 1)
     return with_attention_masks(batch, [0])
 
 # %% ../nbs/10a_trainer.ipynb #53cc86bb

@@ -29,7 +29,7 @@ from ..collate import pad_id_of, round_up, template_special_counts
 __all__ = ['SamplingParams', 'Sampler', 'next_token', 'TorchSampler', 'HFSampler', 'VLLMSampler', 'sampler_for', 'prompt_spans',
            'Completion', 'eos_ids_of', 'completions_from_ids', 'chat_prompt_spans', 'generate_completions',
            'valid_utf8_prefix', 'CompletionAlignment', 'loss_chunks', 'align_completions', 'collate_alignments',
-           'collate_completions', 'teacher_views']
+           'collate_completions', 'teacher_completion_batch', 'teacher_views']
 
 # %% ../../nbs/09c_onpolicy_generate.ipynb #83141b12
 @dataclass(frozen=True)
@@ -570,6 +570,23 @@ def collate_completions(completions: Sequence[Completion], # sampled rows
     return collate_alignments(align_completions(completions, aligner), aligner, make_seq_div_by_student=make_seq_div_by_student,
                               make_seq_div_by_teacher=make_seq_div_by_teacher)
 
+
+# %% ../../nbs/09c_onpolicy_generate.ipynb #94fab5a8
+_SIDES = (("input_ids", "teacher_0_input_ids"), ("input_lengths", "teacher_0_input_lengths"),
+          ("token_mask", "teacher_0_token_mask"), ("alignment_0_student_chunk_id", "alignment_0_teacher_chunk_id"),
+          ("alignment_0_student_exact_partition_mask", "alignment_0_teacher_exact_partition_mask"))
+
+
+def teacher_completion_batch(completions: Sequence[Completion], # the teacher's continuations, in its own tokenizer's ids
+                             reverse: TokenAligner, # TokenAligner(teacher tokenizer, student tokenizer): the other way round
+                             *, make_seq_div_by_student: int = 1, # pad the student axis to a multiple of this
+                             make_seq_div_by_teacher: int = 1, # pad the teacher axis to a multiple of this
+                            ) -> dict[str, torch.Tensor]:
+    "The flat batch of a teacher's continuations for its student: aligned from the teacher's side, then the sides exchanged."
+    batch = collate_completions(completions, reverse, make_seq_div_by_student=make_seq_div_by_teacher,
+                                make_seq_div_by_teacher=make_seq_div_by_student)
+    for a, b in _SIDES: batch[a], batch[b] = batch[b], batch[a]
+    return batch
 
 # %% ../../nbs/09c_onpolicy_generate.ipynb #944833db
 def teacher_views(completions: Sequence[Completion], # sampled rows
