@@ -99,9 +99,11 @@ def test_demo_teacher_store_and_onpolicy_flags_reach_the_config(tmp_path):
     from xtoken_dp.cli import _demo_config, _demo_parser
     parse = lambda *a: _demo_config(_demo_parser().parse_args([*a, "--out", str(tmp_path / "out")]))
     config = parse("--arms", "ce,gold:cached,hkl:onpolicy", "--teacher-k", "32", "--teacher-store", str(tmp_path / "store"),
-                   "--student-tokenizer", "bpe", "--lmbda", "0.25", "--max-new-tokens", "16", "--temperature", "0.7")
+                   "--student-tokenizer", "bpe", "--lmbda", "0.25", "--max-new-tokens", "16", "--temperature", "0.7",
+                   "--seq-kd", "--beta", "1")
     assert (config.teacher_k, config.teacher_store, config.student_tokenizer) == (32, str(tmp_path / "store"), "bpe")
-    assert (config.onpolicy_settings.lmbda, config.onpolicy_settings.max_new_tokens, config.onpolicy_settings.temperature) == (0.25, 16, 0.7)
+    assert (config.onpolicy_settings.lmbda, config.onpolicy_settings.max_new_tokens, config.onpolicy_settings.temperature,
+            config.onpolicy_settings.seq_kd, config.beta) == (0.25, 16, 0.7, True, 1.0)
     specs = {a.name: a for a in config.arm_specs()}
     assert specs["gold:cached"].teacher == "cached" and specs["hkl:onpolicy"].onpolicy and not specs["ce"].onpolicy
     # --teacher cached renames every KD arm that reads a teacher per step; an on-policy arm keeps the live teacher
@@ -112,3 +114,4 @@ def test_demo_flag_mistakes_are_usage_errors():
     assert "lmbda" in one_line_failure(*cli("demo", "--lmbda", "2")[::2], 2)
     assert "distinct names" in one_line_failure(*cli("demo", "--teacher", "cached", "--arms", "gold,gold:cached")[::2], 2)
     assert "ARM:onpolicy" in one_line_failure(*cli("demo", "--arms", "ce,bogus:cached")[::2], 2)
+    assert "not defined for the arms ['uld']" in one_line_failure(*cli("demo", "--arms", "ce,uld", "--beta", "0.5")[::2], 2)

@@ -245,6 +245,9 @@ def _demo_parser() -> CommandLineParser:
                                                              "reads the student's own continuations (default 0.5)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="on-policy arms: tokens sampled per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=1.0, help="on-policy arms: sampling temperature (default 1)")
+    p.add_argument("--seq-kd", action="store_true", help="on-policy arms: the other steps' KD term reads the teacher's own continuations")
+    p.add_argument("--beta", type=float, default=None, help="every KD arm's generalised JSD: 0 forward KL, 1 reverse KL, between "
+                                                            "the two (not for alm and uld); default: each arm's own direction")
     p.add_argument("--student-tokenizer", choices=("unigram", "bpe"), default="unigram",
                    help="the student's tokenizer: unigram (the demo's) or bpe (a second student, e.g. from the same store)")
     p.add_argument("--sequential", action="store_true", help="train the arms one model at a time instead of as one stack")
@@ -295,7 +298,7 @@ def _demo_config(args):
                           dp=args.dp, via_ipc=args.via_ipc, batched=not args.sequential, out_dir=args.out,
                           teacher=args.teacher, teacher_k=args.teacher_k, teacher_store=args.teacher_store,
                           student_tokenizer=args.student_tokenizer, lmbda=args.lmbda, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature,
+                          temperature=args.temperature, seq_kd=args.seq_kd, beta=args.beta,
                           cache_dir=args.cache_dir, no_cache=args.no_cache, progress=not args.no_progress, **overrides)
     except ValueError as e: raise UsageError(str(e)) from None
 

@@ -21,8 +21,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from tqdm import tqdm
+from ..aligner import TokenAligner
 from ..losses import XTokenLossConfig, compute_global_normalizers, dp_all_reduce_stack, dp_all_reduce_sum, get_dp_group, per_chunk_losses
-from ..onpolicy.generate import collate_completions, completions_from_ids, generate_completions, valid_utf8_prefix
+from ..onpolicy.generate import (collate_completions, completions_from_ids, generate_completions, teacher_completion_batch,
+                                        valid_utf8_prefix)
 from .corpus import DemoTokenizers
 from .windows import STUDENT_CTX, TEACHER_CTX, EvalSet, StepBatcher, WindowPlan
 from .model import TinyGPT, TrainConfig, arms_bits_per_byte, dp_rank_world, dp_shard, make_optimizer, next_token_ce
@@ -39,6 +41,7 @@ class OnPolicySettings:
     prompt_tokens: int = 24 # a prompt is a window's text up to its first `prompt_tokens` student tokens
     max_new_tokens: int = 32 # tokens the student samples per prompt
     temperature: float = 1.0 # sampling temperature
+    seq_kd: bool = False # the other steps' KD term reads the teacher's own continuations of the prompts (TRL's `seq_kd`)
 
     def __post_init__(self):
         if not isinstance(self.lmbda, (int, float)) or not 0.0 <= self.lmbda <= 1.0:
@@ -52,6 +55,7 @@ class OnPolicySettings:
                              f"with its start marker), got {self.prompt_tokens + self.max_new_tokens}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature <= 0:
             raise ValueError(f"temperature: expected a finite number > 0, got {self.temperature!r}")
+        if not isinstance(self.seq_kd, bool): raise TypeError(f"seq_kd: expected a bool, got {type(self.seq_kd).__name__}")
 
 def window_prompt(
     tokenizer, # the student tokenizer
@@ -123,6 +127,17 @@ def _continuations(model: nn.Module, toks: DemoTokenizers, aligner, windows: Seq
     clock("align")
     return batch
 
+def _teacher_continuations(teacher: nn.Module, toks: DemoTokenizers, reverse, windows: Sequence[str], settings: OnPolicySettings,
+                           seed: int, clock: _Clock) -> dict:
+    "The teacher's continuations of the windows' prompts as the student's flat batch (`seq_kd`; completion chunks only)."
+    prompts = [window_prompt(toks.student, w, settings.prompt_tokens) for w in windows]
+    rows = generate_completions(teacher, toks.teacher, prompts, max_new_tokens=settings.max_new_tokens, seed=seed,
+                                temperature=settings.temperature)
+    clock("generate")
+    batch = teacher_completion_batch(rows, reverse)
+    clock("align")
+    return batch
+
 # %% ../../nbs/106a_distill_onpolicy.ipynb #9937970e
 class _OnPolicyRun:
     "One on-policy arm of one seed: its student, optimiser, this rank's share of each step, the records."
@@ -136,6 +151,7 @@ class _OnPolicyRun:
         self.config = arm_loss_config(arm, projection_path=projection_path, student_vocab_size=len(toks.student),
                                       teacher_vocab_size=len(toks.teacher))
         self.batcher = StepBatcher(toks.student, toks.teacher)
+        self.reverse = TokenAligner(toks.teacher, toks.student) if settings.seq_kd else None
         self.model = TinyGPT(init_model.config); self.model.load_state_dict(init_model.state_dict()); self.model.train()
         self.opt, self.sched = make_optimizer(self.model, train, len(plan))
         self.on = onpolicy_steps(len(plan), settings.lmbda, plan.seed)
@@ -155,6 +171,10 @@ class _OnPolicyRun:
             seed = (self.plan.seed * 1_000_003 + step) * 64 + self.rank
             policy = _continuations(self.model, self.toks, self.batcher.aligner, windows, self.settings, seed, self.clock)
             kd = _kd(self.model(policy["input_ids"]), policy, self.teacher, self.config)
+        elif self.settings.seq_kd:
+            seed = (self.plan.seed * 1_000_003 + step) * 64 + self.rank
+            data = _teacher_continuations(self.teacher, self.toks, self.reverse, windows, self.settings, seed, self.clock)
+            kd = _kd(self.model(data["input_ids"]), data, self.teacher, self.config)
         else: kd = _kd(logits, batch, self.teacher, self.config)
         self.clock("teacher + loss")
         self.opt.zero_grad(set_to_none=True)

@@ -88,7 +88,7 @@ def _mode_text(arm: dict) -> str:
              (k.replace("_", " ") if v is True else f"{k.replace('_', ' ')}={v}") for k, v in shown.items()]
     if arm["mode"] != "ce" and arm["weight"] != 1.0: parts.append(f"weight {arm['weight']:g}")
     if arm.get("teacher") == "cached": parts.append(f"teacher store, k={arm['teacher_k']}")
-    if arm.get("onpolicy"): parts.append(f"on-policy λ={arm['onpolicy']['lmbda']:g}")
+    if arm.get("onpolicy"): parts.append(f"on-policy λ={arm['onpolicy']['lmbda']:g}" + (", seq_kd" if arm["onpolicy"].get("seq_kd") else ""))
     return arm["mode"] + (f" ({', '.join(parts)})" if parts else "")
 
 def _report_table(results: dict) -> list[str]:

@@ -58,6 +58,8 @@ class DemoConfig:
     prompt_tokens: int = 24 # on-policy arms: student tokens of a window kept as the prompt
     max_new_tokens: int = 32 # on-policy arms: tokens the student samples per prompt
     temperature: float = 1.0 # on-policy arms: sampling temperature
+    seq_kd: bool = False # on-policy arms: the other steps' KD term reads the teacher's own continuations (TRL's `seq_kd`)
+    beta: float | None = None # every KD arm's generalised JSD (0: forward KL, 1: reverse KL; TRL's `beta`); None: each arm's own direction
     batched: bool = True # train the arms of a seed as one `ArmStack`
     out_dir: str = "demo_out" # output folder
     cache_dir: str | None = None # tokenizer, teacher and projection cache; `out_dir/cache` by default
@@ -86,6 +88,13 @@ class DemoConfig:
             raise ValueError(f"seed_offset: expected an integer >= 0, got {self.seed_offset!r}")
         self.arm_specs()  # names known, distinct (also once the cached option renames the KD arms)
         self.onpolicy_settings  # the on-policy knobs checked
+        if self.beta is not None:
+            if not isinstance(self.beta, (int, float)) or isinstance(self.beta, bool) or not 0.0 <= self.beta <= 1.0:
+                raise ValueError(f"beta: expected a number in [0, 1], got {self.beta!r}")
+            undefined = [a.name for a in resolve_arms(self.arms) if a.mode in ("alm", "uld")]
+            if 0.0 < self.beta < 1.0 and undefined:
+                raise ValueError(f"beta: the generalised JSD is not defined for the arms {undefined} (ALM compares chunk "
+                                 "likelihoods, ULD sorted probabilities); use beta 0 or 1, or leave them out")
         for arm, weight in self.kd_weights.items():
             if arm.removesuffix(CACHED) not in ARMS: raise ValueError(f"kd_weights: unknown arm {arm!r}; valid arms: {', '.join(ARMS)}")
             if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
@@ -102,14 +111,15 @@ class DemoConfig:
     def threads_per_process(self) -> int: return max(1, self.threads // self.dp)
     @property
     def onpolicy_settings(self) -> OnPolicySettings:
-        return OnPolicySettings(self.lmbda, self.prompt_tokens, self.max_new_tokens, self.temperature)
+        return OnPolicySettings(self.lmbda, self.prompt_tokens, self.max_new_tokens, self.temperature, self.seq_kd)
 
     def arm_specs(self) -> list[ArmSpec]:
         "The arms of the run with the KD-weight overrides applied."
         specs = resolve_arms(self.arms)
         if self.teacher == "cached": specs = resolve_arms([a if a.mode == "ce" or a.onpolicy else cached_arm(a) for a in specs])
-        weight = lambda a: self.kd_weights.get(a.name, self.kd_weights.get(a.name.removesuffix(CACHED), a.weight))
-        return [dataclasses.replace(a, weight=float(weight(a))) for a in specs]
+        weight = lambda a: self.kd_weights.get(a.name, self.kd_weights.get(a.name.split(":")[0], a.weight))
+        options = lambda a: a.options if self.beta is None or a.mode == "ce" else {**a.options, "beta": float(self.beta), "reverse_kl": False}
+        return [dataclasses.replace(a, weight=float(weight(a)), options=options(a)) for a in specs]
 
 # %% ../../nbs/107_distill_run.ipynb #bc443002
 class _RunLog:
