@@ -10,7 +10,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/teacher_signal.html.md"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 

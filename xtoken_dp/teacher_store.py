@@ -155,7 +155,7 @@ _INT32_MAX = 2 ** 31 - 1
 
 def _packed_support(signal: TeacherSignal, packing: SignalPacking) -> dict[str, np.ndarray]:
     "The packed columns of the support: unary high id bits, low id bits, log-prob codes and the fp16 top log-prob."
-    V, k, b = int(signal.vocab_size[0]), signal.k, packing.id_low_bits
+    V, b = int(signal.vocab_size[0]), packing.id_low_bits
     ids = njt_values(signal.topk_ids).cpu().numpy().astype(np.int64)
     lp = njt_values(signal.topk_logprobs).float().cpu().numpy()
     order = np.argsort(ids, axis=1, kind="stable")

@@ -9,12 +9,11 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/teacher_stream.html.md"""
 # %% ../nbs/09b_teacher_stream.ipynb #c6b1dd39
 from __future__ import annotations
 
-import math
 import struct
 from typing import Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 from .schema import FieldSpec, Schema
 from .dataplane import DataPlaneClient, KVBatchMeta

@@ -15,7 +15,7 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/distill_onpolicy.html.md"""
 from __future__ import annotations
 import math, time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 import numpy as np
 import torch
 import torch.nn as nn

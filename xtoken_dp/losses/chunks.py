@@ -9,7 +9,6 @@ Docs: https://xtoken-dp.github.io/xtoken_dp/losses_chunks.html.md"""
 # %% ../../nbs/08c_losses_chunks.ipynb #de0ed790
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import weakref

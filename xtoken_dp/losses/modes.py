@@ -22,10 +22,10 @@ from torch.autograd.function import once_differentiable
 from ..caches import build_exact_token_map, get_sparse_projection_matrix, get_topk_projection
 from .config import XTokenLossConfig
 from .chunks import (PKL_EPS, TINY, Chunks, Microbatch, TeacherView, check_targets, chunk_first, chunk_sum,
-                                     log1mexp, next_token_logprob, prob_kl, reduce_chunks, tempered, top1_index)
+                                     log1mexp, next_token_logprob, reduce_chunks, tempered, top1_index)
 from .uld_routes import SIXTEEN_BIT_L1, sorted_l1
 from .jsd import SoftmaxJSD, entries_divergence, prob_divergence, sparse_softmax_jsd
-from .sparse import (SparseRows, SparseSoftmaxKL, chunk_rows, kl_entries, log_softmax_rows, logit_rows, prob_rows,
+from .sparse import (SparseRows, SparseSoftmaxKL, chunk_rows, log_softmax_rows, logit_rows, prob_rows,
                                      rows_argmax, rows_at_columns, rows_sum, rows_vote, softmax_kl_entries, sorted_l1_entries,
                                      teacher_rows)
 

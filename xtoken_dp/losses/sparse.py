@@ -122,7 +122,7 @@ def _empty_rows(B: int, C: int, n: int, like: SparseRows, vocab_size: int) -> Sp
 
 def _first_rows(rows: SparseRows, buckets: Tensor, sizes: Tensor, B: int, C: int, vocab_size: int) -> SparseRows:
     "Each chunk's first position's row (an empty row for an empty chunk)."
-    BT, n = buckets.numel(), rows.ids.shape[-1]
+    BT = buckets.numel()
     first = torch.full((B * C + 1,), BT, dtype=torch.int64, device=buckets.device)
     first.scatter_reduce_(0, buckets, torch.arange(BT, device=buckets.device), "amin")
     present = sizes > 0

@@ -29,13 +29,13 @@ from ..core import check_int
 from ..schema import AlignmentBatch, FieldSpec, Schema, make_jagged, lengths_to_offsets
 from ..tokenizers import TokenSpans
 from ..codec import materialize
-from ..dataplane import (ClaimTimeoutError, DataPlaneClient, DataPlaneError, KVBatchMeta, MissingFieldsError,
+from ..dataplane import (ClaimTimeoutError, DataPlaneClient, KVBatchMeta, MissingFieldsError,
                                  UnknownPartitionError, build_data_plane_client)
 from ..teacher_signal import TeacherSignal
 from ..teacher_store import SignalPacking
 from ..teacher_stream import get_signal, put_signal
 from ..collate import pad_id_of, round_up
-from .generate import Completion, align_completions, collate_alignments, teacher_views
+from .generate import Completion, align_completions, teacher_views
 
 # %% auto #0
 __all__ = ['TEACHER', 'VIEW_FIELDS', 'BATCH_FIELDS', 'ROLLOUT_FIELDS', 'SCORE_TASK', 'TRAIN_TASK', 'rollout_schema',
