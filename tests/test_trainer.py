@@ -19,7 +19,8 @@ from xtoken_dp.aligner import TokenAligner
 from xtoken_dp.collate import CrossTokenizerCollator
 from xtoken_dp.losses import TeacherLossSpec, XTokenLossConfig, compute_global_normalizers, xtoken_kd_loss
 from xtoken_dp.tokenizers import toy_corpus, train_toy_tokenizer
-from xtoken_dp.trainer import (LOSS_CONFIG_NAME, XTokenDistillTrainer, XTokenDistillTrainingArguments,
+from xtoken_dp.trainer import (LOSS_CONFIG_NAME, DistillationSetupError, PrecomputedTeacherLogits, XTokenDistillTrainer,
+                               XTokenDistillTrainingArguments,
                                precompute_teacher_logits, train_data_parallel)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -396,3 +397,15 @@ def test_two_gloo_processes_evaluate_as_one(parts, tmp_path):
         metrics = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in ("eval_loss", "eval_ce_loss", "eval_kd_loss_t0", "eval_bits_per_byte", "eval_num_tokens", "eval_num_bytes"):
             assert metrics[name] == pytest.approx(single[name], rel=1e-6), (rank, name)
+
+
+def test_precomputed_records_of_another_vocabulary_are_refused_when_the_trainer_is_built(parts, tmp_path):
+    right = precompute_teacher_logits({0: parts["teacher"]}, parts["data"], parts["collator"], topk=8,
+                                      vocab_sizes={0: len(parts["teacher_tok"])}, batch_size=3)
+    smaller = dataclasses.replace(right.records[0], vocab_size=len(parts["teacher_tok"]) - 7)  # a record of a smaller vocabulary
+    wrong = PrecomputedTeacherLogits({0: smaller}, list(right.rows), right.teacher_layout)
+    with pytest.raises(DistillationSetupError, match=r"teacher_logits.records\[0\].vocab_size: expected \d+ \(loss_config"):
+        build_trainer(tmp_path / "wrong", parts, max_steps=1, teachers=wrong)
+    stray = PrecomputedTeacherLogits({**wrong.records, 3: wrong.records[0]}, list(wrong.rows), wrong.teacher_layout)
+    with pytest.raises(DistillationSetupError, match=r"teacher_logits.records: expected teacher indices in 0..0, got \[3\]"):
+        build_trainer(tmp_path / "stray", parts, max_steps=1, teachers=stray)

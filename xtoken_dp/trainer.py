@@ -339,6 +339,7 @@ class XTokenDistillTrainer(Trainer):
         collator, n = kwargs.get("data_collator"), len(args.loss_config.teachers)
         layout = _teacher_layout(teacher_layout, collator, n)
         check_distillation_setup(args.loss_config, collator, model, teachers, teacher_layout=layout)  # before any work
+        if isinstance(teacher_logits, PrecomputedTeacherLogits): teacher_logits.check(args.loss_config)
         super().__init__(model=model, args=args, **kwargs)
         self.loss_config, self.teacher_layout = args.loss_config, layout
         self.teachers = _frozen_teachers(teachers, n, self.args.device, teacher_logits is not None)
@@ -702,6 +703,23 @@ class PrecomputedTeacherLogits:
         if bad: raise ValueError(f"records: expected {len(idx)} rows (one per idx) per teacher, got {bad}")
 
     def __repr__(self): return f"PrecomputedTeacherLogits({len(self.rows)} datums, teachers {sorted(self.records)})"
+
+    def check(self, loss_config: XTokenLossConfig) -> None:
+        "`DistillationSetupError` unless every record serves a teacher of `loss_config` with its vocabulary (size and ids)."
+        n = len(loss_config.teachers)
+        extra = sorted(i for i in self.records if not 0 <= i < n)
+        if extra: raise DistillationSetupError("teacher_logits.records", f"teacher indices in 0..{n - 1}", extra,
+                                               "Precompute one record per teacher of loss_config, keyed by its index.")
+        for i, rec in self.records.items():
+            want = loss_config.teachers[i].vocab_size
+            if want is not None and rec.vocab_size != want:
+                raise DistillationSetupError(f"teacher_logits.records[{i}].vocab_size", f"{want} (loss_config.teachers[{i}].vocab_size)",
+                                             rec.vocab_size, "Precompute with vocab_sizes={i: len(teacher tokenizer)}, the size the "
+                                             "loss config names, or correct the config.")
+            top = int(rec.indices.max()) if rec.indices.numel() else -1
+            if top >= rec.vocab_size:
+                raise DistillationSetupError(f"teacher_logits.records[{i}].indices", f"ids < {rec.vocab_size}", top,
+                                             "The records hold ids past their vocabulary: recompute them with the teacher's size.")
 
     def __call__(self, batch: Mapping # a padded batch with an `idx` column
                 ) -> dict[int, TopKTeacherLogits]:
