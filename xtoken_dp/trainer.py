@@ -339,7 +339,7 @@ class XTokenDistillTrainer(Trainer):
         collator, n = kwargs.get("data_collator"), len(args.loss_config.teachers)
         layout = _teacher_layout(teacher_layout, collator, n)
         check_distillation_setup(args.loss_config, collator, model, teachers, teacher_layout=layout)  # before any work
-        if isinstance(teacher_logits, PrecomputedTeacherLogits): teacher_logits.check(args.loss_config)
+        if callable(getattr(teacher_logits, "check", None)): teacher_logits.check(args.loss_config)  # e.g. PrecomputedTeacherLogits
         super().__init__(model=model, args=args, **kwargs)
         self.loss_config, self.teacher_layout = args.loss_config, layout
         self.teachers = _frozen_teachers(teachers, n, self.args.device, teacher_logits is not None)
