@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import losses_helpers as H
-from losses_helpers import (HIDDEN, V_S, V_T, W_S, data_for, dense_matrix, exact_map_loop, make_batch, make_logits,
-                            ref_gold, ref_pkl, ref_topk_kl, spec, write_projections)
+from losses_helpers import (V_S, V_T, assert_same, data_for, dense_matrix, exact_map_loop, make_batch, make_logits, ref_gold,
+                            ref_pkl, ref_topk_kl, run_on_path as run, spec, write_projections)
 from xtoken_dp import losses as L
 from xtoken_dp.losses import jsd as J
 from xtoken_dp.schema import AlignmentBatch
@@ -53,42 +53,6 @@ def configs(projections): return supported_configs(*projections)
 def with_beta(config, beta, **kw): return dataclasses.replace(config, beta=beta, **kw)
 
 # ------------------------------------------------------------------------------------------------------- running
-
-
-def fused_inputs(batch):
-    g = torch.Generator().manual_seed(7)
-    B, T = batch["input_ids"].shape
-    return (torch.randn(B, T, HIDDEN, generator=g, dtype=torch.float64).requires_grad_(),
-            torch.randn(W_S, HIDDEN, generator=g, dtype=torch.float64).requires_grad_())
-
-
-def run(config, student, batch, teachers, path):
-    "`(loss, gradients, metrics)` of one call on `path` (fused: of the hidden states and the lm_head weight)."
-    norms = L.compute_global_normalizers(batch, config)
-    if path in ("fused", "plain_of_fused"):
-        hidden, weight = fused_inputs(batch)
-        if path == "fused":
-            loss, metrics = L.xtoken_kd_loss_fused(hidden, weight, batch, teachers, config=with_beta(config, config.beta, block_size=2),
-                                                   normalizers=norms)
-        else:  # the plain loss of the same logits, its gradient carried back through the lm_head by autograd
-            loss, metrics = L.xtoken_kd_loss(hidden @ weight.T, batch, teachers, config=with_beta(config, config.beta, block_size=None),
-                                             normalizers=norms)
-        return loss.detach(), torch.autograd.grad(loss, [hidden, weight]), metrics
-    size, overwrite = {"plain": (None, False), "blockwise": (2, False), "overwrite": (3, True)}[path]
-    x = student.detach().clone().requires_grad_()
-    loss, metrics = L.xtoken_kd_loss(x, batch, teachers, config=with_beta(config, config.beta, block_size=size, overwrite_logits=overwrite),
-                                     normalizers=norms)
-    return loss.detach(), torch.autograd.grad(loss, [x]), metrics
-
-
-def assert_same(got, want, tol, what):
-    (loss, grads, metrics), (loss_e, grads_e, metrics_e) = got, want
-    assert abs(loss.item() - loss_e.item()) <= tol * max(1.0, abs(loss_e.item())), (what, loss.item(), loss_e.item())
-    for g, e in zip(grads, grads_e):
-        assert (g - e).abs().max().item() <= tol * max(1.0, e.abs().max().item()), what
-    assert set(metrics) == set(metrics_e), what
-    for key, value in metrics_e.items():
-        assert abs(float(metrics[key]) - float(value)) <= tol * max(1.0, abs(float(value))), (what, key, float(metrics[key]), float(value))
 
 
 def sparse_teacher(y, ids, vocab, k):

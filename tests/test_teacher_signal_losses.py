@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from xtoken_dp import losses as L
-from xtoken_dp.losses import chunks as LC
 from xtoken_dp.teacher_signal import SparseTeacher
-from losses_helpers import HIDDEN, V_S, V_T, W_S, data_for, every_config, make_batch, make_logits, write_projections, spec
+from losses_helpers import V_S, V_T, assert_same, data_for, every_config, run_on_path as run, spec, write_projections
 
 
 @pytest.fixture(scope="module")
@@ -60,34 +59,6 @@ def sparse_teachers(config, batch, teachers, k=None):
         V = V_S if same else V_T
         out[i] = sparse_teacher(t, batch, i, V, min(k or V, V), same)
     return out
-
-
-def run(config, student, batch, teachers, path):
-    "`(loss, gradients, metrics)` of one call on `path`: plain, blockwise, overwrite or fused."
-    norms = L.compute_global_normalizers(batch, config)
-    if path == "fused":
-        g = torch.Generator().manual_seed(7)
-        B, T = batch["input_ids"].shape
-        hidden = torch.randn(B, T, HIDDEN, generator=g, dtype=torch.float64).requires_grad_()
-        weight = torch.randn(W_S, HIDDEN, generator=g, dtype=torch.float64).requires_grad_()
-        loss, metrics = L.xtoken_kd_loss_fused(hidden, weight, batch, teachers, config=dataclasses.replace(config, block_size=2),
-                                               normalizers=norms)
-        return loss.detach(), torch.autograd.grad(loss, [hidden, weight]), metrics
-    size, overwrite = {"plain": (None, False), "blockwise": (2, False), "overwrite": (3, True)}[path]
-    x = student.detach().clone().requires_grad_()
-    loss, metrics = L.xtoken_kd_loss(x, batch, teachers, config=dataclasses.replace(config, block_size=size, overwrite_logits=overwrite),
-                                     normalizers=norms)
-    return loss.detach(), torch.autograd.grad(loss, [x]), metrics
-
-
-def assert_same(got, want, rtol, what):
-    (loss, grads, metrics), (loss_e, grads_e, metrics_e) = got, want
-    assert abs(loss.item() - loss_e.item()) <= rtol * max(1.0, abs(loss_e.item())), (what, loss.item(), loss_e.item())
-    for g, e in zip(grads, grads_e):
-        assert (g - e).abs().max().item() <= rtol * max(1.0, e.abs().max().item()), what
-    assert set(metrics) == set(metrics_e), what
-    for key, value in metrics_e.items():
-        assert abs(float(metrics[key]) - float(value)) <= rtol * max(1.0, abs(float(value))), (what, key, float(metrics[key]), float(value))
 
 
 def normalised(config, teachers):
